@@ -1,0 +1,31 @@
+# Quick start: `make serve` (the OpenAI-compatible server on the embedded model) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast generate serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --timeout=900 tests
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+generate: $(STAMP)
+	$(BIN)/pagedllm generate "ROMEO:" --max-tokens 120 --temperature 0.8
+
+serve: $(STAMP)
+	$(BIN)/pagedllm serve --host 127.0.0.1 --port 8000
+
+clean:
+	rm -rf $(VENV) build *.egg-info

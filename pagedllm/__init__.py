@@ -1,0 +1,32 @@
+"""pagedllm: a paged-KV-cache, continuously batched LLM inference engine.
+
+Heavy modules (torch, transformers) load lazily so ``pagedllm serve`` starts fast.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from pagedllm.entrypoints.llm import LLM
+
+        return LLM
+    if name == "AsyncLLM":
+        from pagedllm.engine.async_llm import AsyncLLM
+
+        return AsyncLLM
+    if name == "SamplingParams":
+        from pagedllm.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from pagedllm import outputs
+
+        return getattr(outputs, name)
+    if name == "EngineConfig":
+        from pagedllm.config import EngineConfig
+
+        return EngineConfig
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

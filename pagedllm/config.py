@@ -1,0 +1,82 @@
+"""Engine configuration: frozen, validated dataclasses. CLI flags are derived from these."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_model_path() -> str:
+    """The embedded default model shipped in the repository."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(os.path.dirname(here), "models", "tiny-shakespeare")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = field(default_factory=default_model_path)
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_memory: Optional[int] = None  # bytes; CPU default 2 GiB (capped by what can be used)
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: Optional[int] = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None  # default max(2048, max_model_len) without chunking
+    max_model_len: Optional[int] = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    served_model_name: Optional[str] = None
+    max_waiting_requests: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
+            raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model must be a local directory with config.json and safetensors weights: {self.model!r}")
+
+
+def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if requested is None:
+        return int(limit)
+    if requested > limit:
+        raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
+    return requested
+
+
+def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:
+    if config.max_num_batched_tokens is not None:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) must be >= max_model_len "
+                f"({max_model_len}) when chunked prefill is disabled"
+            )
+        return config.max_num_batched_tokens
+    return 2048 if config.enable_chunked_prefill else max(2048, max_model_len)

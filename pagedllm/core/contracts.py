@@ -1,0 +1,92 @@
+"""The small data types that cross the core's wall (scheduler <-> runner <-> engine).
+
+Workers keep per-request state, so a SchedulerOutput carries only diffs: new requests in full,
+continuing requests as (new block ids, computed count).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    """A request the workers have not seen (or a preempted one being resumed: sent again in full)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    """A request the workers already hold: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: frozenset[str]  # workers drop their state for these
+    preempted_req_ids: frozenset[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True, slots=True)
+class Logprobs:
+    """Per sampled position: (token ids, logprobs, ranks). Index 0 is the sampled token, then top-k."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    sampled_rank: list[int]
+    start: int = 0  # prompt logprobs: index (in the P-1 prompt logprob slots) of the first row
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]  # batch order
+    sampled_token_ids: list[list[int]]  # empty list for a partial prefill chunk
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # prompt logprobs for the chunk computed this step: list over positions of (ids, logprobs)
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    logprobs: Optional[Logprobs] = None
+    prompt_logprobs: Optional[Logprobs] = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # fraction of blocks held by requests
+    num_free_blocks: int
+    num_total_blocks: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
+    num_preemptions: int
+    num_scheduled_tokens_total: int  # tokens run through the model since start
+    num_steps: int
+    num_batched_reqs_max: int

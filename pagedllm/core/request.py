@@ -1,0 +1,105 @@
+"""Request: the scheduler's view of one sequence (never shipped to workers)."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status greater than PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+def finish_reason_of(status: RequestStatus) -> Optional[str]:
+    return _FINISH_REASONS.get(status)
+
+
+class Request:
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_hashes",
+        "cache_salt",
+        "arrival_time",
+        "num_preemptions",
+        "stop_reason",
+        "max_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_tokens: int,
+        arrival_time: Optional[float] = None,
+        cache_salt: Optional[str] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.max_tokens = max_tokens  # effective cap, already clipped to max_model_len
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache (set on first schedule)
+        self.block_hashes: list[bytes] = []  # hashes of full blocks, grown by the KV cache manager
+        self.cache_salt = cache_salt
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

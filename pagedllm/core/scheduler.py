@@ -1,0 +1,251 @@
+"""Scheduler: continuous batching under a per-step token budget.
+
+There is no prefill phase and no decode phase: each request has ``num_computed_tokens`` that
+catches up with ``num_tokens`` (prompt + outputs). Every step serves running requests first
+(decodes and unfinished prefill chunks, FCFS), then admits waiting ones while the token budget,
+``max_num_seqs`` and the KV cache allow. When a running request cannot get a block, the most
+recently admitted running request is preempted (blocks freed, computed count reset, requeued at
+the front of the waiting queue) until it can, or until it is itself the victim.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from pagedllm.core.contracts import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus, finish_reason_of
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = no per-request cap beyond the budget
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv_cache_manager: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell workers next step
+        self._sent_to_workers: set[str] = set()
+        self.num_preemptions = 0
+        self.num_scheduled_tokens_total = 0
+        self.num_steps = 0
+        self.num_batched_reqs_max = 0
+
+    # ---- admission --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.limits.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_block_ids = self.kv.allocate_slots(req, num_new)
+                if new_block_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            if new_block_ids is None:
+                break  # req preempted itself: nothing after it is running anymore
+            num_scheduled[req.request_id] = num_new
+            budget -= num_new
+            if req.request_id in self._sent_to_workers:
+                cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+            else:
+                new_reqs.append(self._new_request_data(req))
+            i += 1
+
+        # Admit waiting requests (none if we just had to preempt: memory is tight).
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+                req = self.waiting[0]
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if not self.limits.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = self._cap(num_new, budget)
+                if self.kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                num_scheduled[req.request_id] = num_new
+                budget -= num_new
+                new_reqs.append(self._new_request_data(req))
+
+        for rid, n in num_scheduled.items():
+            self.requests[rid].num_computed_tokens += n
+        for nr in new_reqs:
+            self._sent_to_workers.add(nr.req_id)
+        total = sum(num_scheduled.values())
+        self.num_scheduled_tokens_total += total
+        if total:
+            self.num_steps += 1
+            self.num_batched_reqs_max = max(self.num_batched_reqs_max, len(num_scheduled))
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=frozenset(self._finished_ids),
+            preempted_req_ids=frozenset(preempted),
+        )
+        self._finished_ids.clear()
+        return out
+
+    def _cap(self, num_new: int, budget: int) -> int:
+        if self.limits.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.limits.long_prefill_token_threshold)
+        return min(num_new, budget)
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        return self._cap(req.num_tokens - req.num_computed_tokens, budget)
+
+    def _new_request_data(self, req: Request) -> NewRequestData:
+        # num_computed_tokens here is the value BEFORE this step's tokens are added.
+        return NewRequestData(
+            req_id=req.request_id,
+            token_ids=list(req.all_token_ids),
+            num_prompt_tokens=req.num_prompt_tokens,
+            sampling_params=req.sampling_params,
+            block_ids=self.kv.get_block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._sent_to_workers.discard(req.request_id)
+        self.waiting.appendleft(req)
+
+    # ---- results ----------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for idx, rid in enumerate(runner_output.req_ids):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            sampled = runner_output.sampled_token_ids[idx]
+            prompt_lp = runner_output.prompt_logprobs.get(rid)
+            if not sampled:
+                if prompt_lp is not None:
+                    outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=prompt_lp))
+                continue
+            new_ids: list[int] = []
+            status: Optional[RequestStatus] = None
+            for tok in sampled:
+                req.append_output_token(tok)
+                new_ids.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
+            if status is not None:
+                self._finish(req, status)
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    new_ids,
+                    finish_reason=finish_reason_of(status) if status is not None else None,
+                    stop_reason=req.stop_reason,
+                    logprobs=runner_output.logprobs.get(rid),
+                    prompt_logprobs=prompt_lp,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens and token in sp._all_stop_token_ids:
+            req.stop_reason = None if token not in sp.stop_token_ids else token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        self.kv.free(req)
+        if req.request_id in self._sent_to_workers:
+            self._finished_ids.add(req.request_id)
+            self._sent_to_workers.discard(req.request_id)
+        del self.requests[req.request_id]
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
+        """Abort (or stop, e.g. on a stop string found by the detokenizer). Frees blocks at once."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.waiting.remove(req)
+            self._finish(req, status)
+            done.append(rid)
+        return done
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens_total=self.num_scheduled_tokens_total,
+            num_steps=self.num_steps,
+            num_batched_reqs_max=self.num_batched_reqs_max,
+        )

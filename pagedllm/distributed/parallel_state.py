@@ -1,0 +1,40 @@
+"""Tensor-parallel group state. With tp_size 1 every collective is the identity."""
+from __future__ import annotations
+
+import torch
+
+
+class TPGroup:
+    def __init__(self, rank: int = 0, world_size: int = 1, group=None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+_tp = TPGroup()
+
+
+def get_tp_group() -> TPGroup:
+    return _tp
+
+
+def set_tp_group(group: TPGroup) -> None:
+    global _tp
+    _tp = group

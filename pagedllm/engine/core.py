@@ -1,0 +1,80 @@
+"""EngineCore: schedule -> execute -> update, over the scheduler, KV cache manager and executor."""
+from __future__ import annotations
+
+import logging
+
+from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
+from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler, SchedulerLimits
+
+logger = logging.getLogger(__name__)
+
+
+def load_hf_config(model_dir: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"could not read a model config from {model_dir!r}: {e}") from e
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, hf_config=None) -> None:
+        self.config = config
+        self.hf_config = hf_config if hf_config is not None else load_hf_config(config.model)
+        self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.max_model_len)
+        self.executor = self._make_executor()
+        self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        limits = SchedulerLimits(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.scheduler = Scheduler(limits, self.kv_cache_manager)
+
+    def _make_executor(self):
+        args = (self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
+        if self.config.tensor_parallel_size > 1:
+            from pagedllm.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor(*args)
+        from pagedllm.executor.uniproc import UniprocExecutor
+
+        return UniprocExecutor(*args)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.executor.num_blocks
+
+    def add_request(self, request: Request) -> None:
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}: "
+                "there is no room to generate a token"
+            )
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[str]:
+        return self.scheduler.finish_requests(request_ids, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,200 @@
+"""LLMEngine: the synchronous engine (add_request / abort_request / step).
+
+A request with ``n > 1`` fans out into n child requests (seed + i each when seeded) that share
+the prompt's KV blocks through the prefix cache; their outputs are gathered into one
+RequestOutput.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.core import EngineCore, load_hf_config
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer.detokenizer import IncrementalDetokenizer
+from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+OUTPUT_FINAL, OUTPUT_CUMULATIVE, OUTPUT_DELTA = "final", "cumulative", "delta"
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    output_kind: str
+    finished_children: set[str] = field(default_factory=set)
+
+
+def _eos_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
+    ids: list[int] = []
+    try:
+        from transformers import GenerationConfig
+
+        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+        if gen.eos_token_id is not None:
+            ids = [gen.eos_token_id] if isinstance(gen.eos_token_id, int) else list(gen.eos_token_id)
+    except Exception:
+        pass
+    if not ids:
+        e = getattr(hf_config, "eos_token_id", None)
+        if e is None and tokenizer is not None:
+            e = tokenizer.eos_token_id
+        if e is not None:
+            ids = [e] if isinstance(e, int) else list(e)
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False) -> None:
+        self.config = config
+        hf_config = load_hf_config(config.model)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+        self.core = EngineCore(config, hf_config)
+        self.hf_config = hf_config
+        self.max_model_len = self.core.max_model_len
+        self.eos_token_ids = _eos_ids(config.model, hf_config, self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, str] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def add_request(
+        self,
+        request_id: Optional[str],
+        prompt: PromptType,
+        params: SamplingParams,
+        output_kind: str = OUTPUT_FINAL,
+        arrival_time: Optional[float] = None,
+    ) -> str:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = request_id or self.new_request_id()
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.input_processor.process(prompt)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        params = params.clone().with_eos(self.eos_token_ids)
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        parent = _Parent(request_id, text, ids, child_ids, output_kind)
+        added: list[str] = []
+        try:
+            for i, cid in enumerate(child_ids):
+                cp = params if params.n == 1 else params.clone(seed=None if params.seed is None else params.seed + i)
+                req = Request(cid, ids, cp, max_tokens=max_tokens, arrival_time=arrival_time)
+                self.core.add_request(req)
+                added.append(cid)
+                detok = (
+                    IncrementalDetokenizer(self.tokenizer, ids, cp.skip_special_tokens) if self.tokenizer is not None else None
+                )
+                self.output_processor.add_request(
+                    RequestState(cid, request_id, i, text, ids, cp, detok, arrival_time=req.arrival_time)
+                )
+                self.child_to_parent[cid] = request_id
+        except Exception:
+            self.core.abort_requests(added)
+            for cid in added:
+                self.output_processor.remove(cid)
+                self.child_to_parent.pop(cid, None)
+            raise
+        self.parents[request_id] = parent
+        return request_id
+
+    def abort_request(self, request_ids) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            self.core.abort_requests(parent.child_ids)
+            for cid in parent.child_ids:
+                self.output_processor.remove(cid)
+                self.child_to_parent.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.core.step()
+        touched: dict[str, None] = {}
+        stopped: list[str] = []
+        for out in core_outputs:
+            if out.req_id not in self.output_processor.states:
+                continue
+            st, stopped_by_string = self.output_processor.process(out)
+            if stopped_by_string:
+                stopped.append(out.req_id)
+            touched[st.parent_id] = None
+        if stopped:
+            self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        results = []
+        for pid in touched:
+            ro = self._make_output(self.parents[pid])
+            if ro is not None:
+                results.append(ro)
+        return results
+
+    def _make_output(self, parent: _Parent) -> Optional[RequestOutput]:
+        states = [self.output_processor.states[c] for c in parent.child_ids]
+        finished = all(s.finished for s in states)
+        if parent.output_kind == OUTPUT_FINAL and not finished:
+            return None
+        completions = [self.output_processor.completion(s, delta=parent.output_kind == OUTPUT_DELTA) for s in states]
+        first = states[0]
+        ro = RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics={
+                "arrival_time": first.arrival_time,
+                "first_token_time": min((s.first_token_time for s in states if s.first_token_time), default=None),
+                "last_token_time": max((s.last_token_time for s in states if s.last_token_time), default=None),
+                "num_generated_tokens": sum(len(s.token_ids) for s in states),
+            },
+        )
+        if finished:
+            for c in parent.child_ids:
+                self.output_processor.remove(c)
+                self.child_to_parent.pop(c, None)
+            del self.parents[parent.request_id]
+        return ro
+
+    # ---- stats ------------------------------------------------------------------------------
+    def get_stats(self):
+        return self.core.get_stats()
+
+    @property
+    def num_forward_tokens(self) -> int:
+        return self.core.executor.num_forward_tokens
+
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()

@@ -1,0 +1,123 @@
+"""The offline API: ``LLM.generate`` and ``LLM.chat``."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import OUTPUT_FINAL, LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer.tokenizer import apply_chat_template
+
+
+class LLM:
+    """Offline batched generation over the paged, continuously batched engine.
+
+    >>> llm = LLM(model="path/to/checkpoint")            # doctest: +SKIP
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))  # doctest: +SKIP
+    """
+
+    def __init__(self, model: Optional[str] = None, skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
+        if "kv_cache_space" in kwargs:  # vLLM CPU spelling, in GiB
+            kwargs["kv_cache_memory"] = int(kwargs.pop("kv_cache_space") * 1024**3)
+        config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
+        self.config = config
+        self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- generation -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: Union[str, Sequence[Any], None] = None,
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("pass prompts or prompt_token_ids")
+        if prompts is not None and prompt_token_ids is not None:
+            raise ValueError("pass either prompts or prompt_token_ids, not both")
+        if prompts is None:
+            items: list[Any] = [list(p) for p in prompt_token_ids]
+        elif isinstance(prompts, (str, dict)):
+            items = [prompts]
+        elif prompts and all(isinstance(t, int) for t in prompts):
+            items = [list(prompts)]  # a single prompt of token ids
+        else:
+            items = list(prompts)
+        params = self._expand_params(sampling_params, len(items))
+        return self._run(items, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[list[dict[str, Any]], list[list[dict[str, Any]]]],
+        sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        use_tqdm: bool = True,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        items = [
+            {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template)}
+            for conv in conversations
+        ]
+        return self._run(items, self._expand_params(sampling_params, len(items)), use_tqdm)
+
+    @staticmethod
+    def _expand_params(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
+        return sp
+
+    def _run(self, items: list[Any], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        # Validate everything before anything is queued: one bad prompt fails the call cleanly.
+        for i, item in enumerate(items):
+            try:
+                engine.input_processor.process(item)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = []
+        try:
+            for item, sp in zip(items, params):
+                ids.append(engine.add_request(None, item, sp, output_kind=OUTPUT_FINAL))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        index = {rid: i for i, rid in enumerate(ids)}
+        results: list[Optional[RequestOutput]] = [None] * len(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in index:
+                        results[index[out.request_id]] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results  # type: ignore[return-value]
+
+    # ---- cache & stats ----------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def get_stats(self):
+        return self.engine.get_stats()

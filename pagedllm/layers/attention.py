@@ -1,0 +1,38 @@
+"""Attention layer: holds this layer's KV cache view and delegates to the backend's impl."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.forward_context import get_attention_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int] = None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.kv_cache: Optional[torch.Tensor] = None  # bound by the worker after allocation
+        self.impl = None  # bound by the worker (backend chosen by device)
+
+    def bind(self, backend, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.impl = backend.make_impl(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.impl is None or self.kv_cache is None:
+            raise RuntimeError("attention layer used before its KV cache was bound")
+        T = q.shape[0]
+        out = self.impl.forward(
+            q.view(T, self.num_heads, self.head_dim),
+            k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            get_attention_metadata(),
+        )
+        return out.reshape(T, self.num_heads * self.head_dim)

@@ -1,0 +1,138 @@
+"""Linear layers written for tensor parallelism (Megatron style); with tp size 1 they are plain.
+
+Each parameter carries a ``weight_loader(param, loaded, shard_id=None)`` that copies this rank's
+slice of a checkpoint tensor in place, so the loader never needs to know the layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import get_tp_group
+
+
+def _attach(param: nn.Parameter, loader) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class ReplicatedLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _attach(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), default_weight_loader)
+        self.bias = (
+            _attach(nn.Parameter(torch.empty(out_features), requires_grad=False), default_weight_loader) if bias else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; no communication in forward.
+
+    ``output_sizes`` lists the logical sub-matrices packed along the output dim (e.g. gate and up);
+    each is split across ranks separately so shard ``i`` of the checkpoint lands at its offset.
+    """
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        for s in output_sizes:
+            if s % self.tp_size:
+                raise ValueError(f"output size {s} is not divisible by tensor parallel size {self.tp_size}")
+        self.output_sizes = [s // self.tp_size for s in output_sizes]
+        out_local = sum(self.output_sizes)
+        self.weight = _attach(nn.Parameter(torch.empty(out_local, in_features), requires_grad=False), self.weight_loader)
+        self.bias = (
+            _attach(nn.Parameter(torch.empty(out_local), requires_grad=False), self.weight_loader) if bias else None
+        )
+
+    def _shard_offset(self, shard_id: Optional[int]) -> tuple[int, int]:
+        if shard_id is None:
+            return 0, sum(self.output_sizes)
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Optional[int] = None) -> None:
+        offset, size = self._shard_offset(shard_id)
+        piece = loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded
+        if piece.shape[0] != size or piece.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch loading shard {shard_id}: {tuple(loaded.shape)} into {tuple(param.shape)}")
+        param.data.narrow(0, offset, size).copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection. KV heads are replicated when tp size exceeds their number."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp_size = get_tp_group().world_size
+        if num_heads % tp_size:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be divisible by tensor_parallel_size ({tp_size})")
+        self.num_heads = num_heads // tp_size
+        if num_kv_heads >= tp_size:
+            if num_kv_heads % tp_size:
+                raise ValueError(f"num_key_value_heads ({num_kv_heads}) must be divisible by tensor_parallel_size ({tp_size})")
+            self.num_kv_heads = num_kv_heads // tp_size
+            self.kv_replicas = 1
+        else:
+            if tp_size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size ({tp_size}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+            self.num_kv_heads = 1
+            self.kv_replicas = tp_size // num_kv_heads
+        self.head_dim = head_dim
+        self._kv_total = num_kv_heads
+        sizes = [self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim]
+        super().__init__(hidden, [s * tp_size for s in sizes], bias)
+        self.output_sizes = sizes
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        idx = {"q": 0, "k": 1, "v": 2}[shard_id]
+        offset, size = self._shard_offset(idx)
+        if idx == 0:
+            start = self.tp_rank * size
+        else:  # rank r uses kv head block r // replicas
+            start = (self.tp_rank // self.kv_replicas) * size
+        piece = loaded.narrow(0, start, size)
+        if piece.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch loading {shard_id}: {tuple(loaded.shape)} into {tuple(param.shape)}")
+        param.data.narrow(0, offset, size).copy_(piece)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial products summed with one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        tp = get_tp_group()
+        self.tp = tp
+        if in_features % tp.world_size:
+            raise ValueError(f"input size {in_features} is not divisible by tensor parallel size {tp.world_size}")
+        self.in_local = in_features // tp.world_size
+        self.weight = _attach(nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False), self.weight_loader)
+        self.bias = (
+            _attach(nn.Parameter(torch.empty(out_features), requires_grad=False), default_weight_loader) if bias else None
+        )
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        piece = loaded.narrow(1, self.tp.rank * self.in_local, self.in_local) if self.tp.world_size > 1 else loaded
+        default_weight_loader(param, piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,59 @@
+"""Rotary position embedding (neox/HF "rotate_half" layout), with rope_scaling variants."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, base: float, rope_scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    scale = 1.0
+    if not rope_scaling:
+        return inv_freq, scale
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq, scale
+    if kind == "linear":
+        return inv_freq / float(rope_scaling["factor"]), scale
+    if kind == "llama3":
+        factor = float(rope_scaling["factor"])
+        low = float(rope_scaling.get("low_freq_factor", 1.0))
+        high = float(rope_scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(rope_scaling["original_max_position_embeddings"])
+        low_wavelen = old_ctx / low
+        high_wavelen = old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled), scale
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: Optional[dict] = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq, scale = _inv_freq(head_dim, base, rope_scaling)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D], k: [T, Hkv, D]
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        return q, k

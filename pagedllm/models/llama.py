@@ -1,0 +1,154 @@
+"""The Llama family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (per-head q/k RMSNorm).
+
+Written over our own layers; checkpoints use HF parameter names, mapped onto fused q/k/v and
+gate/up weights by ``packed_modules_mapping``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.norm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: Optional[int]) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads, bias=qkv_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=getattr(config, "attention_bias", False) and not qkv_bias)
+        self.rotary = RotaryEmbedding(
+            head_dim,
+            config.max_position_embeddings,
+            float(getattr(config, "rope_theta", 10000.0)),
+            getattr(config, "rope_scaling", None),
+        )
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim))
+        return self.o_proj(o)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias=getattr(config, "mlp_bias", False))
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=getattr(config, "mlp_bias", False))
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (supported: silu)")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: Optional[int]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, sliding_window)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        sliding_window = self._sliding_window(config)
+        self.layers = nn.ModuleList(
+            [LlamaDecoderLayer(config, qkv_bias, qk_norm, sliding_window) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    @staticmethod
+    def _sliding_window(config) -> Optional[int]:
+        if getattr(config, "use_sliding_window", True) is False:
+            return None
+        if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+            raise ValueError("per-layer sliding windows (layer_types) are not supported yet")
+        return getattr(config, "sliding_window", None)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+    # checkpoint name fragment -> (our fused module fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
+
+    def __init__(self, config) -> None:
+        # Qwen3 puts attention_bias on q/k/v and o together; usually False.
+        self.qkv_bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(config)

@@ -1,0 +1,70 @@
+"""Safetensors weight loading (single file or sharded index), local paths only.
+
+Each checkpoint tensor is routed to the parameter that owns it; fused parameters receive it
+through their ``weight_loader`` with a shard id. Tensors are read one at a time (no full copy
+of the checkpoint in memory).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from pagedllm.layers.linear import default_weight_loader
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return [os.path.join(model_dir, f) for f in found]
+
+
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters())
+    mapping: dict = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    saw_lm_head = False
+    for name, tensor in iterate_weights(model_dir):
+        if "rotary_emb.inv_freq" in name:
+            continue
+        shard_id = None
+        target = name
+        for frag, (fused, sid) in mapping.items():
+            if f".{frag}." in name:
+                target = name.replace(f".{frag}.", f".{fused}.")
+                shard_id = sid
+                break
+        if target.startswith("lm_head."):
+            saw_lm_head = True
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, tensor.to(param.dtype), shard_id) if shard_id is not None else loader(param, tensor.to(param.dtype))
+        loaded.add(target)
+    if getattr(model, "tie_word_embeddings", False) or not saw_lm_head:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        loaded.add("lm_head.weight")
+    missing = [n for n in params if n not in loaded and not n.startswith("lm_head.")]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")

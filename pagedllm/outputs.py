@@ -1,0 +1,44 @@
+"""Public, vLLM-shaped results."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+# One generated position's logprobs: token id -> Logprob, sampled token first.
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[Optional[dict[int, Logprob]]]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: Optional[float]
+    logprobs: Optional[SampleLogprobs]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    prompt_logprobs: Optional[PromptLogprobs]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,109 @@
+"""Sampler: logits -> token ids, batched over the step (no per-token Python loops over the vocab).
+
+Order: raw logprobs (if asked) -> logit bias, min_tokens bans, penalties -> greedy argmax for
+greedy rows -> temperature -> min_p -> top-k/top-p -> exponential-race sampling
+(argmax(p / E), E ~ Exp(1): one random draw per row, from the request's own generator when it
+is seeded, so a seeded request samples the same tokens whatever batch it is in).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pagedllm.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] long
+    logprob_ids: Optional[torch.Tensor]  # [B, 1 + k]: sampled token, then top-k
+    logprob_vals: Optional[torch.Tensor]  # [B, 1 + k]
+    sampled_ranks: Optional[torch.Tensor]  # [B]
+
+
+def compute_logprob_table(logprobs: torch.Tensor, chosen: torch.Tensor, k: int):
+    """(ids, values, ranks) with column 0 the chosen token, then the top-k. Shared with prompt logprobs."""
+    chosen_lp = logprobs.gather(1, chosen.unsqueeze(1))
+    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
+    if k > 0:
+        top_vals, top_ids = logprobs.topk(k, dim=1)
+        ids = torch.cat([chosen.unsqueeze(1), top_ids], dim=1)
+        vals = torch.cat([chosen_lp, top_vals], dim=1)
+    else:
+        ids, vals = chosen.unsqueeze(1), chosen_lp
+    return ids, vals, ranks
+
+
+class Sampler:
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
+        logits = self._apply_constraints(logits, md)
+        if md.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, md)
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        ids, vals, ranks = compute_logprob_table(raw_logprobs, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled, ids, vals, ranks)
+
+    # ---- logits processors ------------------------------------------------------------------
+    @staticmethod
+    def _apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.bias_rows is not None:
+            logits.index_put_((md.bias_rows, md.bias_cols), md.bias_vals, accumulate=True)
+        if md.repetition is not None:
+            seen = md.prompt_mask | (md.output_counts > 0)
+            rep = md.repetition.unsqueeze(1)
+            penalized = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = torch.where(seen, penalized, logits)
+        if md.frequency is not None:
+            logits = logits - md.frequency.unsqueeze(1) * md.output_counts
+        if md.presence is not None:
+            logits = logits - md.presence.unsqueeze(1) * (md.output_counts > 0).to(logits.dtype)
+        if md.ban_rows is not None:
+            logits.index_put_((md.ban_rows, md.ban_cols), torch.tensor(float("-inf"), device=logits.device))
+        return logits
+
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1) if md.greedy_rows is not None else None
+        if md.temperature is not None:
+            logits = logits / md.temperature.unsqueeze(1)
+        probs = torch.softmax(logits, dim=-1)
+        if md.min_p is not None:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+        if md.top_k is not None or md.top_p is not None:
+            probs = self._top_k_top_p(probs, md.top_k, md.top_p)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for row, gen in md.generators.items():
+            noise[row].exponential_(generator=gen)
+        sampled = (probs / noise).argmax(dim=-1)
+        if greedy is not None:
+            sampled = torch.where(md.greedy_rows, greedy, sampled)
+        return sampled
+
+    @staticmethod
+    def _top_k_top_p(probs: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = torch.ones_like(sorted_p, dtype=torch.bool)
+        if top_k is not None:
+            ranks = torch.arange(sorted_p.shape[1], device=probs.device).unsqueeze(0)
+            keep &= ranks < top_k.unsqueeze(1)
+        if top_p is not None:
+            sorted_p = sorted_p.masked_fill(~keep, 0.0)
+            cum = sorted_p.cumsum(dim=-1)
+            total = cum[:, -1:].clamp_min(1e-30)
+            # keep a token if the mass before it is below top_p (the first token is always kept)
+            keep &= (cum - sorted_p) < top_p.unsqueeze(1) * total
+        filtered = torch.zeros_like(probs)
+        filtered.scatter_(1, order, sorted_p.masked_fill(~keep, 0.0))
+        return filtered

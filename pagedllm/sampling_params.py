@@ -1,0 +1,133 @@
+"""SamplingParams: how one request is decoded. Validated on construction (ValueError names the field)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    # Filled in by the engine: all stop token ids including EOS (unless ignore_eos).
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    # ---- validation -------------------------------------------------------------------------
+    def _validate(self) -> None:
+        def bad(name: str, rule: str, value) -> ValueError:
+            return ValueError(f"{name} must be {rule}, got {value!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", "an integer >= 1", self.n)
+        if not is_num(self.temperature) or not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
+            raise bad("temperature", "a number in [0, 100]", self.temperature)
+        if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "a number in (0, 1]", self.top_p)
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an integer >= 1, or 0/-1 to disable", self.top_k)
+        if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "a number in [0, 1]", self.min_p)
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", "an integer or None", self.seed)
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None", self.max_tokens)
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "a list of non-empty strings", self.stop)
+        for t in self.stop_token_ids:
+            if not is_int(t) or t < 0:
+                raise bad("stop_token_ids", "a list of non-negative integers", self.stop_token_ids)
+        if not is_num(self.presence_penalty) or not (-2.0 <= self.presence_penalty <= 2.0):
+            raise bad("presence_penalty", "a number in [-2, 2]", self.presence_penalty)
+        if not is_num(self.frequency_penalty) or not (-2.0 <= self.frequency_penalty <= 2.0):
+            raise bad("frequency_penalty", "a number in [-2, 2]", self.frequency_penalty)
+        if not is_num(self.repetition_penalty) or not (0.0 < self.repetition_penalty <= 2.0):
+            raise bad("repetition_penalty", "a number in (0, 2]", self.repetition_penalty)
+        if self.logit_bias is not None:
+            for k, v in self.logit_bias.items():
+                if k < 0 or not (-100.0 <= v <= 100.0):
+                    raise bad("logit_bias", "a map of token id >= 0 to a bias in [-100, 100]", {k: v})
+        if self.logprobs is not None and (not is_int(self.logprobs) or not (0 <= self.logprobs <= 20)):
+            raise bad("logprobs", "an integer in [0, 20] or None", self.logprobs)
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not (0 <= self.prompt_logprobs <= 20)
+        ):
+            raise bad("prompt_logprobs", "an integer in [0, 20] or None", self.prompt_logprobs)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a boolean", getattr(self, name))
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def max_stop_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def with_eos(self, eos_token_ids) -> "SamplingParams":
+        """Record the model's EOS token(s) as stop tokens (unless ignore_eos)."""
+        stops = set(self.stop_token_ids)
+        if eos_token_ids is not None and not self.ignore_eos:
+            stops.update([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
+        self._all_stop_token_ids = stops
+        return self
+
+    def clone(self, **changes) -> "SamplingParams":
+        import copy
+
+        new = copy.copy(self)
+        for k, v in changes.items():
+            setattr(new, k, v)
+        new._all_stop_token_ids = set(self._all_stop_token_ids)
+        return new

@@ -1,0 +1,136 @@
+"""Worker: picks the device, loads the model, sizes and allocates the paged KV cache."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.attention.backend import get_attention_backend
+from pagedllm.config import EngineConfig
+from pagedllm.models.loader import load_weights
+from pagedllm.models.registry import resolve_model_class
+from pagedllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        dtype = _DTYPES[name]
+    else:
+        cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        if isinstance(cfg, str):
+            cfg = _DTYPES.get(cfg, torch.float32)
+        dtype = cfg if cfg in _DTYPES.values() else torch.float32
+    if device.type == "cpu" and dtype == torch.float16:
+        logger.warning("float16 is slow and imprecise on CPU; using bfloat16 instead")
+        dtype = torch.bfloat16
+    return dtype
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.hf_config = hf_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        torch.manual_seed(config.seed)
+        model_cls = resolve_model_class(hf_config)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = model_cls(hf_config)
+        finally:
+            torch.set_default_dtype(prev)
+        load_weights(self.model, config.model)
+        self.model.eval()
+        layers = self.model.attention_layers()
+        a0 = layers[0]
+        self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
+        self.backend = get_attention_backend(self.device)
+        self.num_blocks = 0
+        self.kv_cache: torch.Tensor | None = None
+        self.runner: ModelRunner | None = None
+
+    def determine_num_blocks(self) -> int:
+        spec = self.kv_spec
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = int(budget // spec.bytes_per_block)
+        # Never allocate more than every sequence at full length could use.
+        useful = self.config.max_num_seqs * -(-self.max_model_len // spec.block_size)
+        return min(num_blocks, useful)
+
+    def _profile_cuda_budget(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        free, total = torch.cuda.mem_get_info()
+        # Peak activation memory of one forward at the largest batch the scheduler can send.
+        from pagedllm.worker.profile import profile_peak_forward
+
+        peak = profile_peak_forward(self, self.max_num_batched_tokens)
+        used_now = total - free
+        budget = total * self.config.gpu_memory_utilization - used_now - peak
+        return int(max(budget, 0))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        spec = self.kv_spec
+        if num_blocks * spec.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks x {spec.block_size} tokens = "
+                f"{num_blocks * spec.block_size} tokens, fewer than max_model_len ({self.max_model_len}): "
+                f"raise kv_cache_memory / gpu_memory_utilization or lower max_model_len"
+            )
+        self.num_blocks = num_blocks
+        self.kv_cache = torch.zeros(
+            (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
+            dtype=spec.dtype,
+            device=self.device,
+        )
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.bind(self.backend, self.kv_cache[:, i])
+        self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), max concurrency at max_model_len %d: %.1f",
+            num_blocks,
+            spec.block_size,
+            num_blocks * spec.bytes_per_block / 2**20,
+            self.max_model_len,
+            num_blocks * spec.block_size / self.max_model_len,
+        )
+
+    def execute(self, scheduler_output):
+        return self.runner.execute(scheduler_output)

@@ -1,0 +1,414 @@
+"""Triton paged-attention kernels vs a dense torch reference.
+
+By default the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors), so
+this file runs on CPU-only machines. With ``PAGEDLLM_TRITON_NATIVE=1`` on a machine with CUDA, the
+same tests run compiled on the GPU, plus the larger ``cuda``-only tests at the bottom.
+"""
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+NATIVE = os.environ.get("PAGEDLLM_TRITON_NATIVE") == "1" and torch.cuda.is_available()
+# Must happen before triton (and our kernels) are imported: @triton.jit picks the interpreter at
+# decoration time.
+os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
+
+triton = pytest.importorskip("triton")
+
+if not NATIVE and "pagedllm.attention.triton_attn" in sys.modules:
+    _mod = sys.modules["pagedllm.attention.triton_attn"]
+    if type(_mod._unified_attention_kernel).__name__ != "InterpretedFunction":
+        pytest.skip(
+            "triton_attn was already imported with compiled kernels in this process; "
+            "run this file on its own or with PAGEDLLM_TRITON_NATIVE=1",
+            allow_module_level=True,
+        )
+
+
+def _patch_interpreter() -> None:
+    """Work around two Triton 3.6 interpreter bugs (no effect on compiled kernels).
+
+    * Scalars are 1-element arrays and ``__index__`` does ``int(arr)``, which NumPy >= 2.4
+      rejects, so ``for t in range(tensor_lo, tensor_hi)`` fails.
+    * ``tl.dot`` on bf16 runs ``np.matmul`` on the raw uint16 storage; upcast to fp32 first
+      (the compiled kernel also accumulates bf16 products in fp32).
+    """
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except Exception:  # pragma: no cover
+        return
+    if getattr(interp, "_pagedllm_patched", False):
+        return
+    orig_patch_tensor = getattr(interp, "_patch_lang_tensor", None)
+    if orig_patch_tensor is not None:
+
+        def _patch_lang_tensor(tensor, scope):
+            orig_patch_tensor(tensor, scope)
+            scope.set_attr(
+                tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
+            )
+
+        interp._patch_lang_tensor = _patch_lang_tensor
+    builder = getattr(interp, "InterpreterBuilder", None)
+    if builder is not None and hasattr(builder, "create_dot"):
+        orig_dot = builder.create_dot
+
+        def _up(h):
+            if h.dtype == tl.bfloat16:
+                f32 = (h.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+                return interp.TensorHandle(f32, tl.float32)
+            return h
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            return orig_dot(self, _up(a), _up(b), d, input_precision, max_num_imprecise_acc)
+
+        builder.create_dot = create_dot
+    interp._pagedllm_patched = True
+
+
+if not NATIVE:
+    _patch_interpreter()
+
+from pagedllm.attention.backend import AttentionMetadata  # noqa: E402
+from pagedllm.attention.triton_attn import (  # noqa: E402
+    TritonAttentionBackend,
+    choose_num_splits,
+    reshape_and_cache,
+    unified_attention,
+)
+
+DEVICE = torch.device("cuda" if NATIVE else "cpu")
+TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
+if NATIVE:
+    # compiled fp32 dots use IEEE; only reduction order differs
+    TOL[torch.float32] = (1e-3, 1e-3)
+
+
+# ------------------------------------------------------------------------------------------------
+# case construction + dense reference
+# ------------------------------------------------------------------------------------------------
+
+
+class Case:
+    """A ragged batch: cached prefixes already in a NaN-poisoned cache, new K/V still to store."""
+
+    def __init__(
+        self,
+        reqs: list[tuple[int, int]],  # (seq_len, query_len) per request
+        *,
+        block_size: int,
+        num_kv_heads: int,
+        qpk: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        seed: int,
+        extra_blocks: int = 3,
+        pad_tokens: int = 0,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        rng = random.Random(seed)
+        self.reqs = reqs
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.num_heads = num_kv_heads * qpk
+        self.head_dim = head_dim
+        self.dtype = dtype
+        blocks_per_req = [(s + block_size - 1) // block_size for s, _ in reqs]
+        num_blocks = sum(blocks_per_req) + extra_blocks
+        pool = list(range(num_blocks))
+        rng.shuffle(pool)  # non-contiguous, out-of-order block tables
+        max_blocks = max(blocks_per_req) + 1
+        # Table padding points at block 0 on purpose: the kernel must never read past seq_len.
+        self.block_table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
+        self.kv_cache = torch.full(
+            (2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype
+        )
+        flat_k = self.kv_cache[0].view(-1, num_kv_heads, head_dim)
+        flat_v = self.kv_cache[1].view(-1, num_kv_heads, head_dim)
+
+        self.full_k, self.full_v = [], []
+        q_rows, k_rows, v_rows, slots = [], [], [], []
+        for i, (seq_len, q_len) in enumerate(reqs):
+            assert 1 <= q_len <= seq_len
+            blks = [pool.pop() for _ in range(blocks_per_req[i])]
+            self.block_table[i, : len(blks)] = torch.tensor(blks, dtype=torch.int32)
+            k = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+            v = torch.randn(seq_len, num_kv_heads, head_dim, generator=g).to(dtype)
+            self.full_k.append(k)
+            self.full_v.append(v)
+            pos = torch.arange(seq_len)
+            slot = torch.tensor(blks, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+            ctx = seq_len - q_len
+            flat_k[slot[:ctx]] = k[:ctx]
+            flat_v[slot[:ctx]] = v[:ctx]
+            slots.append(slot[ctx:])
+            k_rows.append(k[ctx:])
+            v_rows.append(v[ctx:])
+            q_rows.append(torch.randn(q_len, self.num_heads, head_dim, generator=g).to(dtype))
+
+        self.num_tokens = sum(q for _, q in reqs)
+        self.query = torch.cat(q_rows + [torch.randn(pad_tokens, self.num_heads, head_dim, generator=g).to(dtype)])
+        self.key = torch.cat(k_rows + [torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype)])
+        self.value = torch.cat(v_rows + [torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype)])
+        self.slot_mapping = torch.cat(slots + [torch.full((pad_tokens,), -1, dtype=torch.int64)])
+        q_lens = np.array([q for _, q in reqs], dtype=np.int32)
+        self.query_start_loc_cpu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        self.seq_lens_cpu = np.array([s for s, _ in reqs], dtype=np.int32)
+        self.scale = head_dim**-0.5
+
+    def to(self, device: torch.device) -> "Case":
+        for name in ("block_table", "kv_cache", "query", "key", "value", "slot_mapping"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def metadata(self) -> AttentionMetadata:
+        dev = self.query.device
+        return AttentionMetadata(
+            num_actual_tokens=self.num_tokens,
+            query_start_loc=torch.from_numpy(self.query_start_loc_cpu).to(dev),
+            seq_lens=torch.from_numpy(self.seq_lens_cpu).to(dev),
+            block_table=self.block_table.to(dev),
+            slot_mapping=self.slot_mapping[: self.num_tokens].to(dev),
+            max_query_len=max(q for _, q in self.reqs),
+            max_seq_len=max(s for s, _ in self.reqs),
+            query_start_loc_cpu=self.query_start_loc_cpu,
+            seq_lens_cpu=self.seq_lens_cpu,
+        )
+
+    def gather_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request i's K/V read back from the paged cache through its block table."""
+        seq_len = self.reqs[i][0]
+        pos = torch.arange(seq_len)
+        bt = self.block_table[i].cpu().long()
+        slot = bt[pos // self.block_size] * self.block_size + pos % self.block_size
+        cache = self.kv_cache.cpu()
+        k = cache[0].reshape(-1, self.num_kv_heads, self.head_dim)[slot]
+        v = cache[1].reshape(-1, self.num_kv_heads, self.head_dim)[slot]
+        return k, v
+
+    def reference(self, sliding_window: int | None) -> torch.Tensor:
+        """Dense fp32 attention, K/V gathered from the cache (after the kernel stored them)."""
+        qpk = self.num_heads // self.num_kv_heads
+        out = torch.zeros(self.num_tokens, self.num_heads, self.head_dim)
+        query = self.query.cpu().float()
+        for i, (seq_len, q_len) in enumerate(self.reqs):
+            k, v = self.gather_kv(i)
+            k = k.float().repeat_interleave(qpk, dim=1)  # [seq, H, D]
+            v = v.float().repeat_interleave(qpk, dim=1)
+            start = int(self.query_start_loc_cpu[i])
+            q = query[start : start + q_len]  # [q_len, H, D]
+            scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
+            kpos = torch.arange(seq_len)[None, :]
+            visible = kpos <= qpos
+            if sliding_window:
+                visible &= (qpos - kpos) < sliding_window
+            scores = scores.masked_fill(~visible, float("-inf"))
+            out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        return out
+
+
+def _random_reqs(rng: random.Random, block_size: int, n: int, max_blocks: int) -> list[tuple[int, int]]:
+    """Mix of decodes, chunked prefills with cached prefix, and fresh prefills."""
+    reqs = []
+    for j in range(n):
+        seq_len = rng.randint(1, max_blocks * block_size)
+        kind = j % 3
+        if kind == 0:
+            q_len = 1  # decode
+        elif kind == 1:
+            q_len = rng.randint(1, seq_len)  # chunk over a cached prefix
+        else:
+            q_len = seq_len  # fresh prefill
+        reqs.append((seq_len, q_len))
+    rng.shuffle(reqs)
+    return reqs
+
+
+def _run(case: Case, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    impl = TritonAttentionBackend.make_impl(
+        case.num_heads, case.num_kv_heads, case.head_dim, case.scale, sliding_window
+    )
+    impl.num_splits = num_splits
+    out = impl.forward(case.query, case.key, case.value, case.kv_cache, case.metadata())
+    assert out.shape == case.query.shape and out.dtype == case.dtype
+    return out
+
+
+def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None) -> None:
+    n = case.num_tokens
+    got = out[:n].float().cpu()
+    assert torch.isfinite(got).all()
+    # Stored K/V must match what we generated (reshape_and_cache + block table round trip).
+    for i in range(len(case.reqs)):
+        k, v = case.gather_kv(i)
+        assert torch.equal(k, case.full_k[i]) and torch.equal(v, case.full_v[i])
+    ref = case.reference(sliding_window)
+    atol, rtol = TOL[case.dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------------------
+# tests
+# ------------------------------------------------------------------------------------------------
+
+
+def test_backend_name():
+    assert TritonAttentionBackend.name == "triton"
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache(block_size, dtype):
+    g = torch.Generator().manual_seed(block_size)
+    num_blocks, kv_heads, head_dim, n = 6, 3, 64, 11  # 3 heads: non-power-of-two padding
+    cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    # Non-contiguous key/value views, as produced by splitting a fused qkv projection.
+    qkv = torch.randn(n, 4 * kv_heads, head_dim, generator=g).to(dtype)
+    key, value = qkv[:, kv_heads : 2 * kv_heads], qkv[:, 3 * kv_heads :]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[[2, 7]] = -1  # padding tokens: skipped
+    cache, key, value, slots_dev = cache.to(DEVICE), key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE)
+    reshape_and_cache(key, value, cache, slots_dev)
+    expected = torch.zeros(2, num_blocks * block_size, kv_heads, head_dim, dtype=dtype)
+    keep = slots >= 0
+    expected[0, slots[keep]] = key.cpu()[keep]
+    expected[1, slots[keep]] = value.cpu()[keep]
+    assert torch.equal(cache.cpu().view(2, -1, kv_heads, head_dim), expected)
+
+
+MIXED = [
+    # block_size, kv_heads, qpk, head_dim, dtype, seed
+    (8, 2, 1, 64, torch.float32, 0),
+    (16, 2, 2, 128, torch.float32, 1),
+    (32, 1, 4, 64, torch.float32, 2),
+    (16, 1, 4, 128, torch.bfloat16, 3),
+    (8, 2, 2, 64, torch.bfloat16, 4),
+    (32, 2, 1, 128, torch.bfloat16, 5),
+    (16, 2, 2, 64, torch.float16, 6),
+]
+
+
+@pytest.mark.parametrize("block_size,kv_heads,qpk,head_dim,dtype,seed", MIXED)
+def test_mixed_batch(block_size, kv_heads, qpk, head_dim, dtype, seed):
+    rng = random.Random(seed)
+    reqs = _random_reqs(rng, block_size, n=5, max_blocks=3)
+    case = Case(
+        reqs, block_size=block_size, num_kv_heads=kv_heads, qpk=qpk, head_dim=head_dim,
+        dtype=dtype, seed=seed,
+    ).to(DEVICE)
+    _check(case, _run(case))
+
+
+def test_edge_lengths_and_padding():
+    # seq_len == 1 decode, exact block multiples, chunk ending exactly on a block boundary,
+    # a chunk longer than one query tile, and padded (CUDA-graph style) rows after the batch.
+    reqs = [(1, 1), (16, 16), (32, 1), (33, 17), (48, 16), (70, 70)]
+    case = Case(
+        reqs, block_size=16, num_kv_heads=1, qpk=2, head_dim=64, dtype=torch.float32, seed=11,
+        pad_tokens=3,
+    ).to(DEVICE)
+    out = _run(case)
+    _check(case, out)
+    assert torch.all(out[case.num_tokens :] == 0)
+
+
+def test_non_power_of_two_head_dim_and_group():
+    # head_dim 80 (padded to 128), 3 query heads per kv head (padded to 4)
+    rng = random.Random(21)
+    reqs = _random_reqs(rng, 16, n=4, max_blocks=2)
+    case = Case(reqs, block_size=16, num_kv_heads=2, qpk=3, head_dim=80, dtype=torch.float32, seed=21).to(DEVICE)
+    _check(case, _run(case))
+
+
+@pytest.mark.parametrize("window", [1, 7, 20])
+def test_sliding_window(window):
+    reqs = [(45, 1), (40, 13), (30, 30), (5, 2)]
+    case = Case(reqs, block_size=8, num_kv_heads=2, qpk=2, head_dim=64, dtype=torch.float32, seed=window).to(DEVICE)
+    _check(case, _run(case, sliding_window=window), sliding_window=window)
+
+
+@pytest.mark.parametrize(
+    "reqs,num_splits,window",
+    [
+        ([(100, 1), (37, 1), (3, 1)], 4, None),  # decode-only, some splits get no KV tiles
+        ([(130, 1), (64, 1)], 2, 50),  # splits + sliding window
+        ([(90, 1), (60, 20)], 4, None),  # splits are also correct with a prefill chunk
+    ],
+)
+def test_split_kv(reqs, num_splits, window):
+    case = Case(reqs, block_size=16, num_kv_heads=2, qpk=4, head_dim=64, dtype=torch.float32, seed=num_splits).to(DEVICE)
+    out = _run(case, sliding_window=window, num_splits=num_splits)
+    _check(case, out, sliding_window=window)
+
+
+def test_split_kv_bf16_matches_unsplit():
+    reqs = [(150, 1), (77, 1)]
+    case = Case(reqs, block_size=32, num_kv_heads=1, qpk=2, head_dim=128, dtype=torch.bfloat16, seed=5).to(DEVICE)
+    split = _run(case, num_splits=2)
+    _check(case, split)
+    unsplit = _run(case, num_splits=1)  # re-stores the same K/V: idempotent
+    torch.testing.assert_close(split.float(), unsplit.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_direct_unified_attention_call():
+    # Functional API, without the backend wrapper; out may be a strided view.
+    case = Case([(20, 4), (9, 1)], block_size=8, num_kv_heads=2, qpk=2, head_dim=64, dtype=torch.float32, seed=9).to(DEVICE)
+    md = case.metadata()
+    reshape_and_cache(case.key, case.value, case.kv_cache, md.slot_mapping)
+    big = torch.zeros(case.num_tokens, case.num_heads, 2 * case.head_dim, device=DEVICE)
+    out = big[:, :, : case.head_dim]
+    unified_attention(
+        case.query, case.kv_cache, out, md.query_start_loc, md.seq_lens, md.block_table,
+        num_tokens=md.num_actual_tokens, num_reqs=md.num_reqs, max_query_len=md.max_query_len,
+        max_seq_len=md.max_seq_len, scale=case.scale,
+    )
+    torch.testing.assert_close(out.cpu(), case.reference(None), atol=2e-4, rtol=2e-4)
+    assert torch.all(big[:, :, case.head_dim :] == 0)
+
+
+def test_choose_num_splits():
+    assert choose_num_splits(4, 8, max_query_len=1, max_seq_len=32768, sm_count=132) > 1
+    assert choose_num_splits(4, 8, max_query_len=2, max_seq_len=32768, sm_count=132) == 1
+    assert choose_num_splits(64, 8, max_query_len=1, max_seq_len=4096, sm_count=132) == 1
+    assert choose_num_splits(1, 1, max_query_len=1, max_seq_len=512, sm_count=132) == 1
+    s = choose_num_splits(1, 8, max_query_len=1, max_seq_len=4096, sm_count=132)
+    assert s & (s - 1) == 0 and 2 <= s <= 4096 // 256
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU-only: bigger shapes (too slow for the interpreter)
+# ------------------------------------------------------------------------------------------------
+
+cuda_only = pytest.mark.skipif(not NATIVE, reason="needs CUDA and PAGEDLLM_TRITON_NATIVE=1")
+
+
+@cuda_only
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_large_mixed(block_size, dtype):
+    rng = random.Random(block_size)
+    reqs = [(rng.randint(1, 3000), 1) for _ in range(24)]
+    reqs += [(2000, 512), (1500, 1500), (777, 300), (4100, 1)]
+    rng.shuffle(reqs)
+    case = Case(reqs, block_size=block_size, num_kv_heads=8, qpk=4, head_dim=128, dtype=dtype, seed=block_size).to(DEVICE)
+    _check(case, _run(case))
+
+
+@cuda_only
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_long_decode_split(window):
+    reqs = [(16384, 1), (9000, 1)]
+    case = Case(reqs, block_size=16, num_kv_heads=8, qpk=4, head_dim=128, dtype=torch.bfloat16, seed=3).to(DEVICE)
+    md = case.metadata()
+    assert choose_num_splits(md.num_reqs, 8, 1, md.max_seq_len, torch.cuda.get_device_properties(0).multi_processor_count) > 1
+    out = _run(case, sliding_window=window)  # heuristic picks split-KV here
+    _check(case, out, sliding_window=window)
+    torch.testing.assert_close(out.float(), _run(case, sliding_window=window, num_splits=1).float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,84 @@
+"""Tiny random-weight HF checkpoints built locally (there is no model hub)."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _tokenizer_files(path: str, vocab_size: int) -> None:
+    """A small word-level tokenizer over the checkpoint's vocab (ids < vocab_size)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(vocab_size - 3)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    fast.save_pretrained(path)
+
+
+def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hidden: int = 64, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, intermediate: int = 128, max_pos: int = 1024,
+                    tie: bool = False, seed: int = 0, init_std: float = 0.1, rope_scaling=None,
+                    dtype=torch.float32, shards: int = 1, head_dim=None) -> str:
+    import transformers as tf
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=max_pos,
+                  tie_word_embeddings=tie, initializer_range=init_std, bos_token_id=1, eos_token_id=2,
+                  rms_norm_eps=1e-6)
+    if arch == "llama":
+        cfg = tf.LlamaConfig(rope_scaling=rope_scaling, **common)
+        cls = tf.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = tf.MistralConfig(sliding_window=None, **common)
+        cls = tf.MistralForCausalLM
+    elif arch == "qwen2":
+        cfg = tf.Qwen2Config(**common)
+        cls = tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg = tf.Qwen3Config(head_dim=head_dim or hidden // heads, **common)
+        cls = tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).to(dtype)
+    with torch.no_grad():  # make biases / norms non-trivial so bugs show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    kw = {}
+    if shards > 1:
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        kw["max_shard_size"] = max(total // shards, 1)
+    model.save_pretrained(path, safe_serialization=True, **kw)
+    _tokenizer_files(path, vocab_size)
+    return path
+
+
+def hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    m.eval()
+    return m
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    m = hf_model(path)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, min_new_tokens=max_new_tokens)
+            outs.append(g[0, len(p):].tolist())
+    return outs
