@@ -1,0 +1,43 @@
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from checkpoints import make_checkpoint  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(REPO, "models", "tiny-shakespeare")
+
+
+@pytest.fixture(scope="session")
+def ckpt_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpts")
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(ckpt_dir):
+    return make_checkpoint(str(ckpt_dir / "llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(ckpt_dir):
+    def _make(name: str, arch: str = "llama", **kw):
+        return make_checkpoint(str(ckpt_dir / name), arch, **kw)
+
+    return _make
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    if not os.path.exists(os.path.join(DEFAULT_MODEL, "model.safetensors")):
+        pytest.skip("embedded default model not trained yet")
+    return DEFAULT_MODEL
+
+
+def random_prompts(lengths, vocab=512, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

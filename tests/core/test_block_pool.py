@@ -1,0 +1,102 @@
+"""Block pool / KV cache manager: ref counts, LRU free queue, prefix-cache hits, no leaks."""
+from hypothesis import given, settings, strategies as st
+
+from pagedllm.core.block_hash import extend_block_hashes, hash_block_tokens
+from pagedllm.core.block_pool import BlockPool
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request
+from pagedllm.sampling_params import SamplingParams
+
+
+def make_req(rid, tokens):
+    return Request(rid, tokens, SamplingParams(max_tokens=8), max_tokens=8)
+
+
+def test_hash_is_stable_and_chained():
+    a = hash_block_tokens(None, [1, 2, 3])
+    assert a == hash_block_tokens(None, [1, 2, 3])
+    assert a != hash_block_tokens(None, [1, 2, 4])
+    assert hash_block_tokens(a, [5]) != hash_block_tokens(None, [5])
+    assert hash_block_tokens(None, [1], "salt") != hash_block_tokens(None, [1])
+    hs = []
+    extend_block_hashes(hs, list(range(10)), 4)
+    assert len(hs) == 2 and hs[1] == hash_block_tokens(hs[0], [4, 5, 6, 7])
+
+
+def test_free_queue_order_and_lazy_eviction():
+    pool = BlockPool(4, enable_caching=True)
+    blocks = pool.get_new_blocks(3)
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, bytes([i]) * 32)
+    pool.free_blocks(reversed(blocks))  # tail first
+    assert [b.block_id for b in pool.free_queue] == [3, 2, 1, 0]
+    assert pool.get_cached_block(bytes([0]) * 32) is blocks[0]  # still cached while free
+    pool.get_new_blocks(2)  # takes 3 (never hashed) then 2 (evicts its hash)
+    assert pool.get_cached_block(bytes([2]) * 32) is None
+    assert pool.get_cached_block(bytes([1]) * 32) is blocks[1]
+    pool.check_consistency()
+
+
+def test_prefix_hit_shares_blocks_and_caps_last_token():
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    a = make_req("a", list(range(12)))
+    hit, n = kv.get_computed_blocks(a)
+    assert (hit, n) == ([], 0)
+    kv.allocate_slots(a, 12)
+    b = make_req("b", list(range(12)))
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 8  # 12 tokens, 3 full blocks, but the last token must be computed
+    ids = kv.allocate_slots(b, 4, n, hit)
+    assert ids[:2] == kv.get_block_ids("a")[:2]
+    assert kv.pool.blocks[ids[0]].ref_cnt == 2
+    kv.free(a)
+    kv.free(b)
+    assert kv.num_free_blocks == 16
+    kv.pool.check_consistency()
+
+
+def test_allocate_returns_none_without_side_effects():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    a = make_req("a", list(range(8)))
+    assert kv.allocate_slots(a, 8) is not None
+    b = make_req("b", list(range(100, 108)))
+    assert kv.allocate_slots(b, 8) is None
+    assert kv.num_free_blocks == 1
+    kv.pool.check_consistency()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 5), st.integers(1, 40)), max_size=60),
+       st.sampled_from([1, 4, 16]))
+def test_random_add_grow_free_keeps_pool_consistent(ops, block_size):
+    kv = KVCacheManager(num_blocks=24, block_size=block_size)
+    live: dict[str, Request] = {}
+    prefixes = [list(range(p * 7, p * 7 + 40)) for p in range(3)]
+    n = 0
+    for op, k, length in ops:
+        if op == "add":
+            rid = f"r{n}"
+            n += 1
+            req = make_req(rid, prefixes[k % 3][:length])
+            hit, num_hit = kv.get_computed_blocks(req)
+            if kv.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit) is not None:
+                req.num_computed_tokens = req.num_tokens
+                live[rid] = req
+        elif op == "grow" and live:
+            req = live[sorted(live)[k % len(live)]]
+            req.append_output_token(1000 + k)
+            if kv.allocate_slots(req, 1) is not None:
+                req.num_computed_tokens += 1
+            else:
+                kv.free(req)
+                del live[req.request_id]
+        elif op == "free" and live:
+            rid = sorted(live)[k % len(live)]
+            kv.free(live.pop(rid))
+        kv.pool.check_consistency()
+        held = sum(len(kv.req_blocks[r]) for r in live)
+        assert kv.num_free_blocks >= kv.num_total_blocks - held
+    for req in list(live.values()):
+        kv.free(req)
+    kv.pool.check_consistency()
+    assert kv.num_free_blocks == kv.num_total_blocks
