@@ -1,0 +1,178 @@
+"""AsyncLLM: the engine's step loop on a background thread, one async stream per request.
+
+The event loop never waits for a step: requests are validated on the caller's side (so bad
+input raises at once), then handed to the engine thread through a command queue; outputs come
+back through ``loop.call_soon_threadsafe``. A stream that is closed early (client disconnect,
+cancellation) aborts its request, which frees its KV blocks at the next loop turn.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import OUTPUT_DELTA, LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # loop closed: nobody listens anymore
+            pass
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None) -> None:
+        self.config = config
+        self.engine = engine or LLMEngine(config)
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._num_pending = 0  # submitted, not yet finished (for max_waiting_requests)
+        self._pending_lock = threading.Lock()
+        self._stop = threading.Event()
+        self.dead_error: Optional[BaseException] = None
+        self.stats = self.engine.get_stats()
+        self.on_finished = None  # optional callback(RequestOutput) on the engine thread (metrics)
+        self.on_step = None  # optional callback(stats, step_seconds) on the engine thread
+        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    # ---- client side (event loop) -----------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.dead_error is None
+
+    def num_unfinished(self) -> int:
+        return self._num_pending
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields delta RequestOutputs; the last one has ``finished=True``."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+        if self.config.max_waiting_requests is not None:
+            running = self.stats.num_running
+            if self._num_pending - running >= self.config.max_waiting_requests:
+                raise QueueFullError(
+                    f"the server is overloaded: {self._num_pending - running} requests are waiting "
+                    f"(max_waiting_requests={self.config.max_waiting_requests}); retry later"
+                )
+        self.engine.input_processor.process(prompt)  # raises ValueError on bad input, here and now
+        request_id = request_id or f"req-{time.monotonic_ns()}-{id(prompt)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._count(+1)
+        self._commands.put(("add", request_id, prompt, params, time.monotonic()))
+        self._wakeup.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def _count(self, delta: int) -> None:
+        with self._pending_lock:
+            self._num_pending += delta
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    async def get_stats(self):
+        return self.stats
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout)
+        self.engine.shutdown()
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, arrival = cmd
+                stream = self._streams.get(rid)
+                if stream is None:
+                    self._count(-1)
+                    continue  # aborted before it was added
+                try:
+                    self.engine.add_request(rid, prompt, params, output_kind=OUTPUT_DELTA, arrival_time=arrival)
+                except Exception as e:  # e.g. duplicate id: fail this request only
+                    self._streams.pop(rid, None)
+                    self._count(-1)
+                    stream.put(e)
+            else:
+                rid = cmd[1]
+                if self._streams.pop(rid, None) is not None:
+                    self._count(-1)
+                self.engine.abort_request(rid)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self.stats = self.engine.get_stats()
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+                    continue
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                self.stats = self.engine.get_stats()
+                if self.on_step is not None:
+                    self.on_step(self.stats, time.perf_counter() - t0)
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if out.finished:
+                        if self._streams.pop(out.request_id, None) is not None:
+                            self._count(-1)
+                        if self.on_finished is not None:
+                            self.on_finished(out)
+                    if stream is not None:
+                        stream.put(out)
+        except BaseException as e:  # the engine is broken: fail every stream, fast
+            logger.exception("engine loop died")
+            self.dead_error = e
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"engine failed: {e!r}"))
+            self._streams.clear()
