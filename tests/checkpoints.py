@@ -26,7 +26,7 @@ def _tokenizer_files(path: str, vocab_size: int) -> None:
 def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, max_pos: int = 1024,
                     tie: bool = False, seed: int = 0, init_std: float = 0.1, rope_scaling=None,
-                    dtype=torch.float32, shards: int = 1, head_dim=None) -> str:
+                    dtype=torch.float32, shards: int = 1, head_dim=None, sliding_window=None) -> str:
     import transformers as tf
 
     if os.path.exists(os.path.join(path, "config.json")):
@@ -39,7 +39,7 @@ def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hi
         cfg = tf.LlamaConfig(rope_scaling=rope_scaling, **common)
         cls = tf.LlamaForCausalLM
     elif arch == "mistral":
-        cfg = tf.MistralConfig(sliding_window=None, **common)
+        cfg = tf.MistralConfig(sliding_window=sliding_window, **common)
         cls = tf.MistralForCausalLM
     elif arch == "qwen2":
         cfg = tf.Qwen2Config(**common)

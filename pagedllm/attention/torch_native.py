@@ -24,7 +24,7 @@ from pagedllm.attention.backend import AttentionMetadata
 class _DecodePlan:
     rows: torch.Tensor  # [B] token rows of the decodes
     block_table: torch.Tensor  # [B, nb] block ids covering the longest context
-    mask: Optional[torch.Tensor]  # [B, 1, 1, L] bool (True = attend); None when no padding
+    mask: Optional[torch.Tensor]  # [B, 1, 1, L] additive float; None when no padding
     length: int
 
 
@@ -34,11 +34,16 @@ class _PrefillPlan:
     end: int
     seq_len: int
     block_ids: Optional[torch.Tensor]  # None: keys come straight from this step's chunk
-    mask: Optional[torch.Tensor]  # [q, L] bool, None: plain causal
+    mask: Optional[torch.Tensor]  # [q, L] additive float, None: plain causal
+
+
+def _additive(keep: np.ndarray, device) -> torch.Tensor:
+    """0 where attended, -inf elsewhere (float masks take SDPA's fast CPU path; bool ones do not)."""
+    return torch.from_numpy(np.where(keep, 0.0, -np.inf).astype(np.float32)).to(device)
 
 
 class _StepPlan:
-    def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int]) -> None:
+    def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int], group: int) -> None:
         qsl = md.query_start_loc_cpu
         seq_lens = md.seq_lens_cpu
         qlens = np.diff(qsl)
@@ -56,7 +61,7 @@ class _StepPlan:
             keep = pos[None, :] < dl[:, None]
             if sliding_window is not None:
                 keep &= pos[None, :] > (dl[:, None] - 1 - sliding_window)
-            mask = None if keep.all() else torch.from_numpy(keep).to(device)[:, None, None, :]
+            mask = None if keep.all() else _additive(keep, device)[:, None, None, :]
             self.decode = _DecodePlan(torch.from_numpy(qsl[decode_idx]).to(device), bt, mask, length)
         self.prefills: list[_PrefillPlan] = []
         for i in np.nonzero(qlens > 1)[0]:
@@ -71,7 +76,9 @@ class _StepPlan:
             keep = kpos <= qpos
             if sliding_window is not None:
                 keep &= kpos > qpos - sliding_window
-            self.prefills.append(_PrefillPlan(s, e, L, md.block_table[i, :nb], torch.from_numpy(keep).to(device)))
+            mask = _additive(keep, device)
+            # rows follow the grouped query layout used in forward: [group * q, L]
+            self.prefills.append(_PrefillPlan(s, e, L, md.block_table[i, :nb], mask.repeat(group, 1) if group > 1 else mask))
 
 
 class TorchNativeAttention:
@@ -85,10 +92,10 @@ class TorchNativeAttention:
 
     def _plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
         # Built by the first layer of the step, reused by the others.
-        key = ("torch_native", block_size, self.sliding_window)
+        key = ("torch_native", block_size, self.sliding_window, self.group)
         plan = md.backend_cache.get(key)
         if plan is None:
-            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window)
+            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group)
         return plan
 
     def forward(self, query, key, value, kv_cache, md: AttentionMetadata) -> torch.Tensor:
@@ -117,12 +124,20 @@ class TorchNativeAttention:
                 k = key[p.start : p.end].transpose(0, 1)
                 v = value[p.start : p.end].transpose(0, 1)
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=self.group > 1)
+                out[p.start : p.end] = o.transpose(0, 1)
             else:
+                # Through the cache with an offset causal mask. GQA by grouping: the G query heads
+                # of a kv head are stacked along the query axis (no K/V copies per query head).
                 L = p.block_ids.shape[0] * block_size
+                n = p.end - p.start
                 k = k_cache[p.block_ids].reshape(L, self.num_kv_heads, self.head_dim).transpose(0, 1)
                 v = v_cache[p.block_ids].reshape(L, self.num_kv_heads, self.head_dim).transpose(0, 1)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, scale=self.scale, enable_gqa=self.group > 1)
-            out[p.start : p.end] = o.transpose(0, 1)
+                qg = query[p.start : p.end].view(n, self.num_kv_heads, self.group, self.head_dim)
+                qg = qg.permute(1, 2, 0, 3).reshape(self.num_kv_heads, self.group * n, self.head_dim)
+                o = F.scaled_dot_product_attention(qg, k, v, attn_mask=p.mask, scale=self.scale)
+                out[p.start : p.end] = o.view(self.num_kv_heads, self.group, n, self.head_dim).permute(2, 0, 1, 3).reshape(
+                    n, self.num_heads, self.head_dim
+                )
         return out
 
 

@@ -1,8 +1,10 @@
 """Triton paged-attention kernels vs a dense torch reference.
 
-By default the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors), so
-this file runs on CPU-only machines. With ``PAGEDLLM_TRITON_NATIVE=1`` on a machine with CUDA, the
-same tests run compiled on the GPU, plus the larger ``cuda``-only tests at the bottom.
+Without CUDA the kernels run under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors),
+so this file runs on CPU-only machines. With CUDA (or ``PAGEDLLM_TRITON_NATIVE=1``) the same tests
+run compiled on the GPU, plus the larger CUDA-only tests at the bottom; ``PAGEDLLM_TRITON_NATIVE=0``
+forces the interpreter. ``test_compiles_for_sm90_without_gpu`` compiles every kernel variant the
+wrappers launch for sm_90 with the real Triton compiler, GPU or not.
 """
 from __future__ import annotations
 
@@ -14,19 +16,40 @@ import numpy as np
 import pytest
 import torch
 
-NATIVE = os.environ.get("PAGEDLLM_TRITON_NATIVE") == "1" and torch.cuda.is_available()
-# Must happen before triton (and our kernels) are imported: @triton.jit picks the interpreter at
-# decoration time.
+# Compiled kernels on CUDA machines (PAGEDLLM_TRITON_NATIVE=1, or simply CUDA present), the
+# interpreter on CPU (or when PAGEDLLM_TRITON_NATIVE=0). Interpreter mode is process-wide in
+# practice: @triton.jit picks interpreter vs compiler when a kernel is *decorated*, and that
+# includes triton.language's own helpers (tl.cdiv, tl.max, ...) decorated when triton is first
+# imported. So interpreting here on a CUDA machine would break compiled Triton code (ours, and
+# torch inductor's) in later tests of the same process; hence compiled by default on CUDA.
+_NATIVE_ENV = os.environ.get("PAGEDLLM_TRITON_NATIVE")
+NATIVE = torch.cuda.is_available() and _NATIVE_ENV != "0"
+_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
+_already_imported = "triton" in sys.modules
+
+
+def _restore_interpret_env() -> None:
+    if _PREV_INTERPRET is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
+
+
 os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
+try:
+    import triton
+except ImportError:
+    _restore_interpret_env()
+    pytest.skip("triton is not installed", allow_module_level=True)
 
-triton = pytest.importorskip("triton")
+if not NATIVE and _already_imported:
+    import triton.language.standard as _tl_std
 
-if not NATIVE and "pagedllm.attention.triton_attn" in sys.modules:
-    _mod = sys.modules["pagedllm.attention.triton_attn"]
-    if type(_mod._unified_attention_kernel).__name__ != "InterpretedFunction":
+    if type(_tl_std.cdiv).__name__ != "InterpretedFunction":
+        _restore_interpret_env()
         pytest.skip(
-            "triton_attn was already imported with compiled kernels in this process; "
-            "run this file on its own or with PAGEDLLM_TRITON_NATIVE=1",
+            "triton was imported in compiled mode earlier in this process, so the interpreter "
+            "can't run here; run this file on its own",
             allow_module_level=True,
         )
 
@@ -76,13 +99,34 @@ def _patch_interpreter() -> None:
 if not NATIVE:
     _patch_interpreter()
 
+
+try:
+    import pagedllm.attention.triton_attn as _ta
+finally:
+    _restore_interpret_env()
+if not NATIVE and type(_ta._unified_attention_kernel).__name__ != "InterpretedFunction":
+    pytest.skip(
+        "pagedllm.attention.triton_attn was imported with compiled kernels earlier in this "
+        "process; run this file on its own",
+        allow_module_level=True,
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _triton_interpret_env():
+    """Triton imports some of its own @jit code lazily at first launch (and asserts the mode
+    then), so the variable must also hold while this module's tests run; restored afterwards."""
+    os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
+    yield
+    _restore_interpret_env()
+
+
 from pagedllm.attention.backend import AttentionMetadata  # noqa: E402
-from pagedllm.attention.triton_attn import (  # noqa: E402
-    TritonAttentionBackend,
-    choose_num_splits,
-    reshape_and_cache,
-    unified_attention,
-)
+
+TritonAttentionBackend = _ta.TritonAttentionBackend
+choose_num_splits = _ta.choose_num_splits
+reshape_and_cache = _ta.reshape_and_cache
+unified_attention = _ta.unified_attention
 
 DEVICE = torch.device("cuda" if NATIVE else "cpu")
 TOL = {torch.float32: (2e-4, 2e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -182,13 +226,13 @@ class Case:
             seq_lens_cpu=self.seq_lens_cpu,
         )
 
-    def gather_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_kv(self, i: int, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Request i's K/V read back from the paged cache through its block table."""
         seq_len = self.reqs[i][0]
         pos = torch.arange(seq_len)
         bt = self.block_table[i].cpu().long()
         slot = bt[pos // self.block_size] * self.block_size + pos % self.block_size
-        cache = self.kv_cache.cpu()
+        cache = self.kv_cache.cpu() if cache is None else cache
         k = cache[0].reshape(-1, self.num_kv_heads, self.head_dim)[slot]
         v = cache[1].reshape(-1, self.num_kv_heads, self.head_dim)[slot]
         return k, v
@@ -198,8 +242,9 @@ class Case:
         qpk = self.num_heads // self.num_kv_heads
         out = torch.zeros(self.num_tokens, self.num_heads, self.head_dim)
         query = self.query.cpu().float()
+        cache = self.kv_cache.cpu()
         for i, (seq_len, q_len) in enumerate(self.reqs):
-            k, v = self.gather_kv(i)
+            k, v = self.gather_kv(i, cache)
             k = k.float().repeat_interleave(qpk, dim=1)  # [seq, H, D]
             v = v.float().repeat_interleave(qpk, dim=1)
             start = int(self.query_start_loc_cpu[i])
@@ -247,8 +292,9 @@ def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None) -> 
     got = out[:n].float().cpu()
     assert torch.isfinite(got).all()
     # Stored K/V must match what we generated (reshape_and_cache + block table round trip).
+    cache = case.kv_cache.cpu()
     for i in range(len(case.reqs)):
-        k, v = case.gather_kv(i)
+        k, v = case.gather_kv(i, cache)
         assert torch.equal(k, case.full_k[i]) and torch.equal(v, case.full_v[i])
     ref = case.reference(sliding_window)
     atol, rtol = TOL[case.dtype]
@@ -387,7 +433,7 @@ def test_choose_num_splits():
 # GPU-only: bigger shapes (too slow for the interpreter)
 # ------------------------------------------------------------------------------------------------
 
-cuda_only = pytest.mark.skipif(not NATIVE, reason="needs CUDA and PAGEDLLM_TRITON_NATIVE=1")
+cuda_only = pytest.mark.skipif(not NATIVE, reason="needs CUDA (compiled kernels)")
 
 
 @cuda_only
@@ -412,3 +458,111 @@ def test_gpu_long_decode_split(window):
     out = _run(case, sliding_window=window)  # heuristic picks split-KV here
     _check(case, out, sliding_window=window)
     torch.testing.assert_close(out.float(), _run(case, sliding_window=window, num_splits=1).float(), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Real-compiler check without a GPU: compile every launch the Python wrappers make (same args,
+# same constexprs, Triton-style specialisation of ==1 / %16 ints) for sm_90 down to a cubin.
+# Catches typing/lowering errors the interpreter tolerates. Runs in a subprocess because this
+# module's kernels are interpreted.
+# ------------------------------------------------------------------------------------------------
+
+_AOT_SCRIPT = r"""
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+import torch, triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+import numpy as np
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention import triton_attn as ta
+
+TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32", torch.int64: "i64"}
+calls = []
+
+class Recorder:
+    def __init__(self, fn):
+        self.fn = fn
+    def __getitem__(self, grid):
+        return lambda *a, **kw: calls.append((self.fn, a, kw))
+
+for name in ("_unified_attention_kernel", "_reduce_splits_kernel", "_reshape_and_cache_kernel"):
+    setattr(ta, name, Recorder(getattr(ta, name)))
+
+def launch(reqs, dtype, qpk, head_dim, block_size, window=None, splits=None, kv_heads=2):
+    # Shapes/dtypes exactly as the engine passes them; contents don't matter (nothing runs).
+    seq = np.array([s for s, _ in reqs], dtype=np.int32)
+    ql = np.array([q for _, q in reqs], dtype=np.int32)
+    qsl = np.concatenate([[0], np.cumsum(ql)]).astype(np.int32)
+    n = int(ql.sum())
+    nblk = int(sum((s + block_size - 1) // block_size for s in seq))
+    md = AttentionMetadata(
+        num_actual_tokens=n, query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq),
+        block_table=torch.zeros(len(reqs), nblk, dtype=torch.int32),
+        slot_mapping=torch.zeros(n, dtype=torch.int64), max_query_len=int(ql.max()),
+        max_seq_len=int(seq.max()), query_start_loc_cpu=qsl, seq_lens_cpu=seq,
+    )
+    h = kv_heads * qpk
+    qkv = torch.zeros(n, h + 2 * kv_heads, head_dim, dtype=dtype)
+    cache = torch.zeros(2, nblk, block_size, kv_heads, head_dim, dtype=dtype)
+    impl = ta.TritonAttentionBackend.make_impl(h, kv_heads, head_dim, head_dim ** -0.5, window)
+    impl.num_splits = splits
+    impl.forward(qkv[:, :h], qkv[:, h:h + kv_heads], qkv[:, h + kv_heads:], cache, md)
+
+launch([(40, 1), (30, 1)], torch.bfloat16, 4, 128, 16)                    # decode
+launch([(300, 1), (90, 1)], torch.bfloat16, 4, 128, 16, window=64, splits=4)  # split-KV + window
+launch([(64, 64), (40, 13), (9, 1)], torch.float32, 1, 64, 32)            # prefill, fp32 ieee dots
+launch([(50, 20), (7, 1)], torch.float16, 3, 80, 8)                       # odd group/head dim
+launch([(33, 1)], torch.bfloat16, 1, 64, 16, kv_heads=1)                   # num_reqs == 1, num_heads == 1 (int specialisation)
+
+seen = set()
+for fn, args, kw in calls:
+    kw = dict(kw)
+    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
+    sig, consts, attrs = {}, {}, {}
+    bound = dict(zip(fn.arg_names, args)); bound.update(kw)
+    for i, p in enumerate(fn.params):
+        v = bound[p.name]
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"; consts[p.name] = v
+        elif isinstance(v, torch.Tensor):
+            sig[p.name] = "*" + TY[v.dtype]; attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, float):
+            sig[p.name] = "fp32"
+        elif isinstance(v, int) and v == 1:
+            sig[p.name] = "constexpr"; consts[p.name] = 1
+        else:
+            sig[p.name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    key = (fn.fn.__name__, repr(sorted(sig.items())), repr(sorted(consts.items())), repr(opts))
+    if key in seen:
+        continue
+    seen.add(key)
+    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
+    assert k.asm["cubin"], key
+    print("compiled", fn.fn.__name__, {c: consts[c] for c in consts if c.isupper()}, "shared", k.metadata.shared, flush=True)
+print("AOT-OK", len(seen))
+"""
+
+
+def test_compiles_for_sm90_without_gpu(tmp_path):
+    import subprocess
+
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.backends.nvidia import compiler as _nv  # noqa: F401
+    except Exception as e:  # pragma: no cover
+        pytest.skip(f"triton NVIDIA backend unavailable: {e}")
+    script = tmp_path / "aot.py"
+    script.write_text(_AOT_SCRIPT)
+    env = dict(os.environ)
+    env.pop("PAGEDLLM_TRITON_NATIVE", None)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run(
+        [sys.executable, str(script), os.path.dirname(os.path.abspath(__file__))],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]

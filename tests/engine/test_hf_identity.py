@@ -34,6 +34,7 @@ ARCH_CASES = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}),
     "mistral": dict(arch="mistral"),
+    "mistral_sliding_window": dict(arch="mistral", sliding_window=40),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3", tie=True),
     "llama_mha_sharded": dict(arch="llama", kv_heads=4, shards=3),

@@ -1,0 +1,54 @@
+"""Shared benchmark helpers: the random-weight models and fixed-seed workloads (no model hub)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+
+MODELS = {
+    "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=688),
+    "llama-100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                       intermediate_size=2048),
+}
+CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "bench-models")
+
+
+def ensure_model(name: str) -> str:
+    """Create (once) a bf16 random-weight LlamaForCausalLM, vocab 32000, seed 0."""
+    path = os.path.join(CACHE_DIR, name)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, torch_dtype="bfloat16",
+                         bos_token_id=1, eos_token_id=2, **MODELS[name])
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def random_workload(n: int, seed: int = 0, prompt_range=(64, 512), output_range=(32, 256), vocab: int = 32000):
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen = rng.randint(*prompt_range)
+        olen = rng.randint(*output_range)
+        reqs.append(([rng.randrange(3, vocab) for _ in range(plen)], olen))
+    return reqs
+
+
+def write_json(path: str | None, data) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(f"{r.get(c, '')}".ljust(w) for c, w in zip(cols, widths)))
