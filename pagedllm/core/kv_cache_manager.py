@@ -66,9 +66,13 @@ class KVCacheManager:
             if block is None:
                 break  # hashes chain: every later block misses too
             hits.append(block)
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Counted once per admission (a request retried while waiting is not counted twice)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate_slots(

@@ -107,6 +107,7 @@ class Scheduler:
                 if self.kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     break
                 self.waiting.popleft()
+                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 req.num_computed_tokens = num_hit

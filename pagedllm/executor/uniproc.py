@@ -6,8 +6,10 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 
 class UniprocExecutor:
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
+        from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
         from pagedllm.worker.worker import Worker
 
+        set_tp_group(TPGroup())  # a single rank: every collective is the identity
         self.worker = Worker(config, hf_config, max_model_len, max_num_batched_tokens)
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(num_blocks)
@@ -19,6 +21,10 @@ class UniprocExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute(scheduler_output)
+
+    @property
+    def weight_bytes_per_rank(self) -> list[int]:
+        return [sum(p.numel() * p.element_size() for p in self.worker.model.parameters())]
 
     def shutdown(self) -> None:
         pass

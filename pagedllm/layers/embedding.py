@@ -23,7 +23,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
         if loaded.shape[0] < self.vocab_size or loaded.shape[1] != param.shape[1]:
             raise ValueError(f"embedding shape {tuple(loaded.shape)} does not match vocab {self.vocab_size}")
-        piece = loaded[self.start : self.end]
+        piece = loaded.narrow(0, self.start, self.end - self.start)
         param.data[: piece.shape[0]].copy_(piece)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

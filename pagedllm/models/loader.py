@@ -32,11 +32,28 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+class SliceSource:
+    """A checkpoint tensor not read yet: loaders narrow it first, so a tensor-parallel rank reads
+    only its own shard from disk."""
+
+    def __init__(self, sl) -> None:
+        self._slice = sl
+        self.shape = torch.Size(sl.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self._slice[:]
+
+
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, SliceSource]]:
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, SliceSource(f.get_slice(name))
 
 
 def load_weights(model: nn.Module, model_dir: str) -> None:
@@ -60,7 +77,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor.to(param.dtype), shard_id) if shard_id is not None else loader(param, tensor.to(param.dtype))
+        loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
         loaded.add(target)
     if getattr(model, "tie_word_embeddings", False) or not saw_lm_head:
         model.lm_head.weight = model.model.embed_tokens.weight

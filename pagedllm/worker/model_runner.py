@@ -15,7 +15,8 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.forward_context import set_attention_metadata
-from pagedllm.sample.sampler import Sampler, compute_logprob_table
+from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
 from pagedllm.worker.input_batch import CachedRequestState, build_block_table, build_sampling_metadata
 
 
@@ -114,8 +115,16 @@ class ModelRunner:
         if len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
             logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
-            smd = build_sampling_metadata(sample_states, self.vocab_size, dev)
-            out = self.sampler(logits, smd)
+            tp = get_tp_group()
+            if tp.rank == 0:
+                smd = build_sampling_metadata(sample_states, self.vocab_size, dev)
+                out = self.sampler(logits, smd)
+            else:
+                out = SamplerOutput(torch.empty(len(sample_idx), dtype=torch.long), None, None, None)
+            if tp.world_size > 1:  # sampled once on rank 0; every rank appends the same tokens
+                ids_cpu = out.sampled.cpu()
+                torch.distributed.broadcast(ids_cpu, src=0, group=tp.cpu_group)
+                out.sampled = ids_cpu
             sampled = out.sampled.tolist()  # the step's one device->host sync
             if out.logprob_ids is not None:
                 ids_l, vals_l, ranks_l = out.logprob_ids.tolist(), out.logprob_vals.tolist(), out.sampled_ranks.tolist()

@@ -129,11 +129,16 @@ class Worker:
                 f"raise kv_cache_memory / gpu_memory_utilization or lower max_model_len"
             )
         self.num_blocks = num_blocks
-        self.kv_cache = torch.zeros(
-            (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype,
-            device=self.device,
-        )
+        shape = (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        if self.device.type == "cpu":
+            # calloc'd memory is zeroed lazily by the OS: no second-long memset of a GiB-sized cache
+            # at start-up (pages are faulted in as blocks are first written).
+            import numpy as np
+
+            nbytes = num_blocks * spec.bytes_per_block
+            self.kv_cache = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(spec.dtype).view(shape)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind(self.backend, self.kv_cache[:, i])
         self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed)
