@@ -6,7 +6,8 @@ tokenizer) that ``transformers`` and pagedllm can load without any network acces
 
     config.json, generation_config.json, model.safetensors,
     tokenizer.json, tokenizer_config.json, special_tokens_map.json,
-    chat_template.jinja, README.md (model card with the measured validation loss)
+    chat_template.jinja, README.md (model card with the measured validation loss),
+    training_summary.json (the numbers of the card, machine-readable)
 
 Recipe (everything is seeded; see ``--seed``):
 
@@ -21,12 +22,12 @@ Recipe (everything is seeded; see ``--seed``):
   windows of ``--seq-len`` + 1 tokens; AdamW, linear warm-up then cosine decay, gradient
   clipping, plain PyTorch loop, fp32 on CPU.
 
-Time budget: ``--minutes`` bounds the training loop.  Unless ``--max-steps`` is given the
-script times the first steps, picks the number of optimizer steps that fits the budget
-and runs the cosine schedule over exactly that many steps (training still stops early if
-the machine slows down).  The chosen step count is printed and written to the model card;
-passing it back as ``--max-steps`` reproduces the run without the timing dependence
-(bit-exactness additionally needs the same torch version and thread count).
+Time budget: ``--minutes`` bounds the training loop (tokenizer training, final evaluation,
+saving and the sample add well under a minute).  Unless ``--max-steps`` is given, the cosine
+decay runs over the wall-clock budget (progress = elapsed / budget), so the schedule always
+completes inside ``--minutes`` even on a shared machine whose speed varies.  ``--max-steps N``
+makes the schedule step-based and the run independent of timing (bit-exactness additionally
+needs the same torch version and thread count); training still stops at ``--minutes``.
 
 Usage (from the repository root)::
 
@@ -252,17 +253,21 @@ Weights stored in {info['save_dtype']} (`model.safetensors`).
 
 Plain PyTorch loop, fp32, {info['threads']} CPU threads, seed {info['seed']}. AdamW
 (betas 0.9/0.95, weight decay {info['weight_decay']} on matrices), peak LR {info['lr']:g} with
-{info['warmup_steps']} warm-up steps then cosine decay to {info['min_lr']:g} over
-{info['planned_steps']} planned steps, gradient clipping {info['grad_clip']}. Batches: {info['batch_size']}
-random windows of {info['seq_len']} tokens from the training stream.
+{info['warmup_steps']} linear warm-up steps, then cosine decay to {info['min_lr']:g}
+{info['schedule']}; gradient clipping {info['grad_clip']}. Batches: {info['batch_size']} random
+windows of {info['seq_len']} tokens from the training stream.
 
-- optimizer steps run: {info['steps']} (planned {info['planned_steps']}); tokens seen:
-  {info['tokens_seen']:,} (~{info['epochs']:.2f} epochs of the training split)
-- training wall time: {info['train_seconds']:.0f} s (budget {info['budget_minutes']:g} min)
+- optimizer steps run: {info['steps']}; tokens seen: {info['tokens_seen']:,}
+  (~{info['epochs']:.2f} epochs of the training split); LR at the last step: {info['final_lr']:.2e}
+- training wall time: {info['train_seconds']:.0f} s (budget {info['budget_minutes']:g} min) on a
+  shared 2-core CPU machine (mean {info['train_seconds'] / max(1, info['steps']):.2f} s/step)
 - final training loss (mean of last 20 steps): {info['final_train_loss']:.4f} nats/token
 
-To reproduce this run without its dependence on machine speed, pass
-`--max-steps {info['steps']}` (same torch version and thread count for bit-exact weights).
+The run is seeded (data order, initialisation, sampling), but with the default time-based
+schedule the exact learning rate at each step depends on the machine's speed. For a run
+that does not depend on timing, pass `--max-steps N` (e.g. `--max-steps {info['steps']}`
+with a `--minutes` large enough); bit-exact weights additionally need the same torch
+version and thread count.
 
 ## Validation loss
 
@@ -330,7 +335,7 @@ def main(argv=None) -> int:
     hf_tok = wrap_tokenizer(tok, args.max_position_embeddings)
     bos_id, eos_id, pad_id = (tok.token_to_id(t) for t in (BOS, EOS, PAD))
     vocab_size = tok.get_vocab_size()
-    assert hf_tok.decode(hf_tok.encode(val_text[:5000], add_special_tokens=False)) == val_text[:5000]
+    assert tok.decode(tok.encode(val_text[:5000]).ids) == val_text[:5000]
     train_ids = torch.tensor([bos_id] + tok.encode(train_text).ids, dtype=torch.long)
     val_ids = torch.tensor(tok.encode(val_text).ids, dtype=torch.long)
     # number of characters each token decodes to (ASCII corpus: bytes == chars)
@@ -389,31 +394,43 @@ def main(argv=None) -> int:
         y = torch.stack([train_ids[i + 1:i + L + 1] for i in ix.tolist()])
         return x, y
 
-    planned = args.max_steps  # None until calibrated
-
-    def lr_at(step: int) -> float:  # step is 0-based
-        if step < args.warmup_steps:
-            return args.lr * (step + 1) / args.warmup_steps
-        total = planned if planned is not None else 10**9
-        progress = min(1.0, (step - args.warmup_steps) / max(1, total - args.warmup_steps))
-        return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1.0 + math.cos(math.pi * progress))
-
     budget = args.minutes * 60.0
-    calib_steps = 8
     quick_eval_windows = 32
     losses: list[float] = []
+    warmup_end_t: float | None = None  # seconds into training when warm-up finished
+
+    def lr_at(step: int, elapsed: float) -> float:
+        """Linear warm-up over steps, then cosine decay to --min-lr.
+
+        With --max-steps the decay runs over steps (reproducible).  Otherwise it runs over
+        the remaining wall-clock budget, so the schedule always completes inside --minutes
+        even when the (shared) machine changes speed during the run.
+        """
+        if step < args.warmup_steps:
+            return args.lr * (step + 1) / args.warmup_steps
+        if args.max_steps is not None:
+            progress = (step - args.warmup_steps) / max(1, args.max_steps - args.warmup_steps)
+        else:
+            start = warmup_end_t if warmup_end_t is not None else elapsed
+            progress = (elapsed - start) / max(1e-9, budget - start)
+        progress = min(1.0, max(0.0, progress))
+        return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1.0 + math.cos(math.pi * progress))
+
     t_train = time.time()
     step = 0
-    calib_t0 = None
+    lr = 0.0
     while True:
-        if planned is not None and step >= planned:
+        if args.max_steps is not None and step >= args.max_steps:
             break
         elapsed = time.time() - t_train
         if elapsed >= budget:
             print(f"time budget reached after {step} steps", flush=True)
             break
+        if step == args.warmup_steps and warmup_end_t is None:
+            warmup_end_t = elapsed
+        lr = lr_at(step, elapsed)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr
         x, y = get_batch()
         logits = model(input_ids=x).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
@@ -424,22 +441,10 @@ def main(argv=None) -> int:
         losses.append(loss.item())
         step += 1
 
-        if step == 1:
-            calib_t0 = time.time()  # exclude first-step overheads from the timing
-        if planned is None and step == 1 + calib_steps:
-            per_step = (time.time() - calib_t0) / calib_steps
-            # quick evals cost about quick_eval_windows/(3*B) of a train step each
-            eval_cost = per_step * quick_eval_windows / (3 * B) / args.eval_every
-            remaining = budget - (time.time() - t_train)
-            planned = step + int(0.97 * remaining / (per_step * (1 + eval_cost)))
-            planned = max(planned, step + 1, args.warmup_steps + 1)
-            print(f"calibration: {per_step:.2f} s/step -> planning {planned} steps "
-                  f"for a {args.minutes:g} min budget", flush=True)
-
         if step % 10 == 0 or step == 1:
             el = time.time() - t_train
-            print(f"step {step:5d}/{planned if planned else '?'}  loss {loss.item():.4f}  "
-                  f"lr {lr_at(step - 1):.2e}  {el:6.0f}s", flush=True)
+            print(f"step {step:5d}  loss {loss.item():.4f}  lr {lr:.2e}  {el:6.0f}s "
+                  f"({el / step:.2f} s/step)", flush=True)
         if args.eval_every and step % args.eval_every == 0:
             nll, ntok, tgt = evaluate(model, val_ids, L, B, max_windows=quick_eval_windows)
             print(f"  [val subset] {nll / ntok:.4f} nats/token, "
@@ -447,6 +452,11 @@ def main(argv=None) -> int:
 
     train_seconds = time.time() - t_train
     steps = step
+    if args.max_steps is not None:
+        schedule = f"over {args.max_steps} steps (`--max-steps`)"
+    else:
+        schedule = (f"over the remaining wall-clock budget ({args.minutes:g} min; decay progress = "
+                    f"elapsed time / budget, so it completes however fast the machine is)")
 
     # ---- final evaluation on the whole validation split
     t0 = time.time()
@@ -517,7 +527,8 @@ def main(argv=None) -> int:
         train_chars=len(train_text), val_chars=len(val_text),
         train_tokens=train_ids.numel(), val_tokens=val_ids.numel(),
         command=cmd, threads=args.threads, seed=args.seed, weight_decay=args.weight_decay, lr=args.lr,
-        min_lr=args.min_lr, warmup_steps=args.warmup_steps, planned_steps=planned if planned else steps,
+        min_lr=args.min_lr, warmup_steps=args.warmup_steps, final_lr=lr,
+        schedule=schedule,
         grad_clip=args.grad_clip, batch_size=B, seq_len=L, steps=steps, tokens_seen=steps * B * L,
         epochs=steps * B * L / train_ids.numel(), train_seconds=train_seconds,
         train_minutes=train_seconds / 60, budget_minutes=args.minutes,
@@ -529,6 +540,9 @@ def main(argv=None) -> int:
     (out / "training_summary.json").write_text(json.dumps(
         {k: v for k, v in info.items() if k != "sample"}, indent=2) + "\n")
 
+    for f in out.iterdir():  # some writers use private temp files (0600); make them readable
+        if f.is_file():
+            os.chmod(f, 0o644)
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"saved to {out} ({size / 1e6:.1f} MB); total script time {time.time() - t_start:.0f}s", flush=True)
     return 0

@@ -25,7 +25,7 @@ def _tokenizer_files(path: str, vocab_size: int) -> None:
 
 def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, max_pos: int = 1024,
-                    tie: bool = False, seed: int = 0, init_std: float = 0.1, rope_scaling=None,
+                    tie: bool = False, seed: int = 0, init_std: float = 0.1, rope_scaling=None, rope_theta=10000.0,
                     dtype=torch.float32, shards: int = 1, head_dim=None, sliding_window=None) -> str:
     import transformers as tf
 
@@ -34,7 +34,7 @@ def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hi
     common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, intermediate_size=intermediate, max_position_embeddings=max_pos,
                   tie_word_embeddings=tie, initializer_range=init_std, bos_token_id=1, eos_token_id=2,
-                  rms_norm_eps=1e-6)
+                  rms_norm_eps=1e-6, rope_theta=rope_theta)
     if arch == "llama":
         cfg = tf.LlamaConfig(rope_scaling=rope_scaling, **common)
         cls = tf.LlamaForCausalLM

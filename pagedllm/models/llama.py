@@ -18,6 +18,15 @@ from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
 
+def rope_settings(config) -> tuple[float, Optional[dict]]:
+    """(base, scaling dict) from either spelling: transformers 5 ``rope_parameters`` or the older
+    top-level ``rope_theta`` + ``rope_scaling``."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or (params if params.get("rope_type", "default") != "default" else None)
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or (scaling or {}).get("rope_theta") or 10000.0
+    return float(theta), scaling
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: Optional[int]) -> None:
         super().__init__()
@@ -32,12 +41,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=getattr(config, "attention_bias", False) and not qkv_bias)
-        self.rotary = RotaryEmbedding(
-            head_dim,
-            config.max_position_embeddings,
-            float(getattr(config, "rope_theta", 10000.0)),
-            getattr(config, "rope_scaling", None),
-        )
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, sliding_window)

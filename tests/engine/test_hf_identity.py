@@ -35,7 +35,7 @@ ARCH_CASES = {
         "original_max_position_embeddings": 64}),
     "mistral": dict(arch="mistral"),
     "mistral_sliding_window": dict(arch="mistral", sliding_window=40),
-    "qwen2": dict(arch="qwen2"),
+    "qwen2": dict(arch="qwen2", rope_theta=1000000.0),
     "qwen3": dict(arch="qwen3", tie=True),
     "llama_mha_sharded": dict(arch="llama", kv_heads=4, shards=3),
 }
