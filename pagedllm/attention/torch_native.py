@@ -20,9 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention import cpu_kernels
 from pagedllm.attention.backend import AttentionMetadata
 
-_QUERY_CHUNK_ROWS = 1024  # bounds the score matrix of the manual prefill path
+_MAX_DECODE_BUCKETS = 4
+_MIN_DECODE_BUCKET = 8
+_QUERY_CHUNK_POSITIONS = 256  # manual prefill path: query positions per chunk (bounds the score
+# matrix, and a chunk only multiplies against keys up to its last position: causal savings)
 
 
 def _additive(keep: np.ndarray, device) -> torch.Tensor:
@@ -43,29 +47,44 @@ class _PrefillPlan:
     start: int
     end: int
     block_ids: Optional[torch.Tensor]  # None: keys come straight from this step's chunk
-    mask: torch.Tensor  # [group * q, L] additive float, rows in grouped layout (kv-head major)
+    mask: torch.Tensor  # [q * group, L] additive float, rows in grouped layout (position major)
+    prefix: int  # cached tokens before this chunk (keys [0, prefix + i] are visible to query i)
+
+
+@dataclass
+class _KernelDecodePlan:
+    """All decodes for the C++ paged kernel: it reads K/V straight from the cache blocks."""
+
+    rows: torch.Tensor
+    block_table: torch.Tensor  # [B, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32
 
 
 class _StepPlan:
-    def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int], group: int) -> None:
+    def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int], group: int,
+                 use_kernel: bool) -> None:
         qsl = md.query_start_loc_cpu
         seq_lens = md.seq_lens_cpu
         qlens = np.diff(qsl)
         device = md.block_table.device
         decode_idx = np.nonzero(qlens == 1)[0]
-        self.decode: Optional[_DecodePlan] = None
-        if len(decode_idx):
-            dl = seq_lens[decode_idx]
-            nb = -(-int(dl.max()) // block_size)
+        self.kernel_decode: Optional[_KernelDecodePlan] = None
+        if use_kernel and len(decode_idx):
             idx_t = torch.from_numpy(decode_idx).to(device)
-            block_ids = md.block_table[idx_t, :nb].reshape(-1).long()
-            length = nb * block_size
-            pos = np.arange(length)
-            keep = pos[None, :] < dl[:, None]
-            if sliding_window is not None:
-                keep &= pos[None, :] > (dl[:, None] - 1 - sliding_window)
-            mask = None if keep.all() else _additive(keep, device)[:, None, None, :]
-            self.decode = _DecodePlan(torch.from_numpy(qsl[decode_idx]).to(device), block_ids, mask, length)
+            self.kernel_decode = _KernelDecodePlan(
+                torch.from_numpy(qsl[decode_idx]).to(device),
+                md.block_table[idx_t].contiguous(),
+                torch.from_numpy(seq_lens[decode_idx].astype(np.int32)).to(device),
+            )
+            decode_idx = decode_idx[:0]
+        # Decodes sorted by context length and cut into a few buckets: each bucket pads only to
+        # its own longest context (less gathering and masked work than one padded batch).
+        self.decodes: list[_DecodePlan] = []
+        if len(decode_idx):
+            order = decode_idx[np.argsort(seq_lens[decode_idx], kind="stable")]
+            num_buckets = min(_MAX_DECODE_BUCKETS, -(-len(order) // _MIN_DECODE_BUCKET))
+            for bucket in np.array_split(order, num_buckets):
+                self.decodes.append(self._decode_plan(md, bucket, block_size, sliding_window, device))
         self.prefills: list[_PrefillPlan] = []
         for i in np.nonzero(qlens > 1)[0]:
             s, e, L = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
@@ -79,9 +98,23 @@ class _StepPlan:
                 keep &= kpos > qpos - sliding_window
             mask = _additive(keep, device)
             if group > 1:
-                mask = mask.repeat(group, 1)
+                mask = mask.repeat_interleave(group, dim=0)
             block_ids = md.block_table[i, :nb].long() if from_cache else None
-            self.prefills.append(_PrefillPlan(s, e, block_ids, mask))
+            self.prefills.append(_PrefillPlan(s, e, block_ids, mask, L - q))
+
+
+    @staticmethod
+    def _decode_plan(md, idx, block_size, sliding_window, device) -> _DecodePlan:
+        dl = md.seq_lens_cpu[idx]
+        nb = -(-int(dl.max()) // block_size)
+        block_ids = md.block_table[torch.from_numpy(idx).to(device), :nb].reshape(-1).long()
+        length = nb * block_size
+        pos = np.arange(length)
+        keep = pos[None, :] < dl[:, None]
+        if sliding_window is not None:
+            keep &= pos[None, :] > (dl[:, None] - 1 - sliding_window)
+        mask = None if keep.all() else _additive(keep, device)[:, None, None, :]
+        return _DecodePlan(torch.from_numpy(md.query_start_loc_cpu[idx]).to(device), block_ids, mask, length)
 
 
 class TorchNativeAttention:
@@ -93,12 +126,13 @@ class TorchNativeAttention:
         self.scale = scale
         self.sliding_window = sliding_window
 
-    def _plan(self, md: AttentionMetadata, block_size: int) -> _StepPlan:
+    def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
         # Built by the first layer of the step, reused by the others.
-        key = ("torch_native", block_size, self.sliding_window, self.group)
+        key = ("torch_native", block_size, self.sliding_window, self.group, dtype)
         plan = md.backend_cache.get(key)
         if plan is None:
-            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group)
+            kernels = cpu_kernels.ready() if dtype == torch.float32 and md.block_table.device.type == "cpu" else None
+            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, kernels is not None)
         return plan
 
     def forward(self, query, key, value, kv_cache, md: AttentionMetadata) -> torch.Tensor:
@@ -109,10 +143,17 @@ class TorchNativeAttention:
         k_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, key[:num_tokens])
         v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
 
-        plan = self._plan(md, block_size)
+        plan = self._plan(md, block_size, query.dtype)
         out = torch.empty_like(query)
-        if plan.decode is not None:
-            d = plan.decode
+        if plan.kernel_decode is not None:
+            kd = plan.kernel_decode
+            q = query[kd.rows].contiguous()
+            o = torch.empty_like(q)
+            cpu_kernels.ready().paged_decode_attention(
+                o, q, k_cache, v_cache, kd.block_table, kd.seq_lens, self.scale, self.sliding_window or 0
+            )
+            out[kd.rows] = o
+        for d in plan.decodes:
             B = d.rows.shape[0]
             q = query[d.rows].view(B, Hkv, self.group, D)
             k = k_cache.index_select(0, d.block_ids).view(B, d.length, Hkv, D).transpose(1, 2)
@@ -128,24 +169,27 @@ class TorchNativeAttention:
             else:
                 k = k_cache.index_select(0, p.block_ids).view(-1, Hkv, D).transpose(0, 1)
                 v = v_cache.index_select(0, p.block_ids).view(-1, Hkv, D).transpose(0, 1)
-            qg = query[p.start : p.end].view(n, Hkv, self.group, D).permute(1, 2, 0, 3).reshape(Hkv, self.group * n, D)
-            og = self._grouped_attention(qg, k, v, p.mask)
-            out[p.start : p.end] = og.view(Hkv, self.group, n, D).permute(2, 0, 1, 3).reshape(n, self.num_heads, D)
+            # rows = (position, query head of this kv head): position-major so chunks are causal
+            qg = query[p.start : p.end].view(n, Hkv, self.group, D).transpose(0, 1).reshape(Hkv, n * self.group, D)
+            og = self._grouped_attention(qg, k, v, p.mask, p.prefix)
+            out[p.start : p.end] = og.view(Hkv, n, self.group, D).transpose(0, 1).reshape(n, self.num_heads, D)
         return out
 
-    def _grouped_attention(self, q, k, v, mask) -> torch.Tensor:
+    def _grouped_attention(self, q, k, v, mask, prefix: int) -> torch.Tensor:
         if q.dtype != torch.float32:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
-        kt = k.transpose(1, 2)
-        rows = q.shape[1]
-        if rows <= _QUERY_CHUNK_ROWS:
-            scores = torch.baddbmm(mask, q, kt, alpha=self.scale)
+        G = self.group
+        n = q.shape[1] // G
+        if n <= _QUERY_CHUNK_POSITIONS:
+            scores = torch.baddbmm(mask, q, k.transpose(1, 2), alpha=self.scale)
             return torch.bmm(torch.softmax(scores, dim=-1), v)
         out = torch.empty_like(q)
-        for a in range(0, rows, _QUERY_CHUNK_ROWS):
-            b = min(a + _QUERY_CHUNK_ROWS, rows)
-            scores = torch.baddbmm(mask[a:b], q[:, a:b], kt, alpha=self.scale)
-            out[:, a:b] = torch.bmm(torch.softmax(scores, dim=-1), v)
+        for a in range(0, n, _QUERY_CHUNK_POSITIONS):
+            b = min(a + _QUERY_CHUNK_POSITIONS, n)
+            kend = prefix + b  # later keys are masked for every query of this chunk
+            rows = slice(a * G, b * G)
+            scores = torch.baddbmm(mask[rows, :kend], q[:, rows], k[:, :kend].transpose(1, 2), alpha=self.scale)
+            out[:, rows] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :kend])
         return out
 
 

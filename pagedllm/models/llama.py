@@ -15,7 +15,7 @@ from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
-from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 def rope_settings(config) -> tuple[float, Optional[dict]]:
@@ -41,13 +41,11 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, bias=getattr(config, "attention_bias", False) and not qkv_bias)
-        theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps) if qk_norm else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, rope, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(T, self.num_heads, self.head_dim)
@@ -55,7 +53,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(rope, q, k)
         o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim))
         return self.o_proj(o)
 
@@ -83,8 +81,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
+    def forward(self, rope, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -97,6 +95,9 @@ class LlamaModel(nn.Module):
             [LlamaDecoderLayer(config, qkv_bias, qk_norm, sliding_window) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
 
     @staticmethod
     def _sliding_window(config) -> Optional[int]:
@@ -108,8 +109,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, h.dtype)
         for layer in self.layers:
-            h = layer(positions, h)
+            h = layer(rope, h)
         return self.norm(h)
 
 

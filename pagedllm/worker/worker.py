@@ -91,6 +91,10 @@ class Worker:
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
         self.backend = get_attention_backend(self.device)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            from pagedllm.attention import cpu_kernels
+
+            cpu_kernels.start_loading()  # compiled once, cached on disk; used as soon as it is ready
         self.num_blocks = 0
         self.kv_cache: torch.Tensor | None = None
         self.runner: ModelRunner | None = None

@@ -1,0 +1,123 @@
+"""Optional C++ CPU kernels, built on first use with the system compiler and cached on disk.
+
+The build is ours (not torch's ``cpp_extension.load``), because that one serialises builders
+with a lock file that a killed process leaves behind, hanging every later process. Here each
+builder compiles into its own temporary file and atomically renames it into a cache directory
+keyed by (source, flags, torch, python); concurrent builders just race harmlessly.
+
+If no compiler is available, ``load()`` returns None and the torch_native backend keeps its
+pure-torch path; both paths are tested against each other.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+
+logger = logging.getLogger(__name__)
+
+_NAME = "pagedllm_cpu_kernels"
+_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_decode.cpp")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_module = None
+_tried = False
+_thread: threading.Thread | None = None
+
+
+def _cache_dir() -> str:
+    base = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    return os.path.join(base, "kernels")
+
+
+def _build(torch) -> str:
+    from torch.utils import cpp_extension
+
+    with open(_SRC, "rb") as f:
+        src = f.read()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    key = hashlib.sha256(src + repr((_FLAGS, torch.__version__, sys.version, abi)).encode()).hexdigest()[:16]
+    out_dir = os.path.join(_cache_dir(), key)
+    target = os.path.join(out_dir, _NAME + ".so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    cmd = [os.environ.get("CXX", "c++"), *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={_NAME}",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{sysconfig.get_paths()['include']}"]
+    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
+    cmd += [_SRC, "-o", tmp]
+    for lib_dir in cpp_extension.library_paths():
+        cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
+    cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=900)
+        os.replace(tmp, target)  # atomic: a concurrent builder either sees nothing or a whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load():
+    """Build (once per machine) and import the kernels; None when that is impossible."""
+    global _module, _tried
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        try:
+            if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS") == "1":
+                return None
+            import torch
+
+            path = _build(torch)
+            loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
+            spec = importlib.util.spec_from_loader(_NAME, loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+            _module = module
+        except Exception as e:  # no compiler, failed build: fall back to the torch path
+            detail = getattr(e, "stderr", "") or ""
+            logger.warning("CPU attention kernels unavailable (%s %s); using the pure-torch path", e, detail[-500:])
+            _module = None
+        finally:
+            _tried = True
+        return _module
+
+
+def start_loading() -> None:
+    """Build/load in the background (the server must answer /health while this runs)."""
+    global _thread
+    with _lock:
+        if _tried or _thread is not None:
+            return
+        _thread = threading.Thread(target=load, name="pagedllm-cpu-kernels", daemon=True)
+        _thread.start()
+
+
+def wait() -> None:
+    """Block until a background load started by ``start_loading`` has finished (if any)."""
+    t = _thread
+    if t is not None:
+        t.join()
+
+
+def ready():
+    """The module if it has finished loading, else None (never blocks)."""
+    return _module if _tried else None
+
+
+if __name__ == "__main__":  # `python -m pagedllm.attention.cpu_kernels`: prebuild (make does this)
+    logging.basicConfig(level=logging.INFO)
+    print("pagedllm CPU kernels:", "ready" if load() is not None else "unavailable (pure-torch fallback)")
