@@ -31,7 +31,6 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
-    enforce_eager: bool = False
     served_model_name: Optional[str] = None
     max_waiting_requests: Optional[int] = None
 
