@@ -64,12 +64,12 @@ class SamplingParams:
             raise bad("temperature", "a number in [0, 100]", self.temperature)
         if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", "a number in (0, 1]", self.top_p)
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise bad("top_k", "an integer >= 1, or 0/-1 to disable", self.top_k)
+        if not is_int(self.top_k) or self.top_k < 0 or self.top_k >= 2**31:
+            raise bad("top_k", "an integer in [1, 2^31), or 0/-1 to disable", self.top_k)
         if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             raise bad("min_p", "a number in [0, 1]", self.min_p)
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "an integer or None", self.seed)
+        if self.seed is not None and (not is_int(self.seed) or not (-(2**63) <= self.seed < 2**63)):
+            raise bad("seed", "a 64-bit signed integer or None", self.seed)
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None", self.max_tokens)
         if not is_int(self.min_tokens) or self.min_tokens < 0:

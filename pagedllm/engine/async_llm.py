@@ -78,11 +78,13 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         if self.config.max_waiting_requests is not None:
-            running = self.stats.num_running
-            if self._num_pending - running >= self.config.max_waiting_requests:
+            # Capacity in flight = max_num_seqs running + max_waiting_requests queued. Counted on
+            # this side (not from the engine's last stats snapshot) so a burst is judged exactly.
+            capacity = self.config.max_num_seqs + self.config.max_waiting_requests
+            if self._num_pending >= capacity:
                 raise QueueFullError(
-                    f"the server is overloaded: {self._num_pending - running} requests are waiting "
-                    f"(max_waiting_requests={self.config.max_waiting_requests}); retry later"
+                    f"the server is overloaded: {self._num_pending} requests in flight, the limit is "
+                    f"max_num_seqs + max_waiting_requests = {capacity}; retry later"
                 )
         self.engine.input_processor.process(prompt)  # raises ValueError on bad input, here and now
         request_id = request_id or f"req-{time.monotonic_ns()}-{id(prompt)}"

@@ -13,6 +13,11 @@ logger = logging.getLogger(__name__)
 
 
 def load_hf_config(model_dir: str):
+    from pagedllm.models.config_json import load_config_json
+
+    light = load_config_json(model_dir)  # no transformers import (seconds) for supported architectures
+    if light is not None:
+        return light
     from transformers import AutoConfig
 
     try:

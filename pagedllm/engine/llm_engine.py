@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,12 +39,14 @@ class _Parent:
 
 def _eos_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
     ids: list[int] = []
-    try:
-        from transformers import GenerationConfig
+    try:  # generation_config.json read directly: importing transformers costs seconds
+        import json
+        import os
 
-        gen = GenerationConfig.from_pretrained(model_dir, local_files_only=True)
-        if gen.eos_token_id is not None:
-            ids = [gen.eos_token_id] if isinstance(gen.eos_token_id, int) else list(gen.eos_token_id)
+        with open(os.path.join(model_dir, "generation_config.json"), encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            ids = [eos] if isinstance(eos, int) else list(eos)
     except Exception:
         pass
     if not ids:
@@ -53,6 +56,11 @@ def _eos_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
         if e is not None:
             ids = [e] if isinstance(e, int) else list(e)
     return ids
+
+
+def _child_seed(seed: int, index: int) -> int:
+    """seed + index, wrapped to stay a 64-bit signed integer."""
+    return (seed + index + 2**63) % 2**64 - 2**63
 
 
 class LLMEngine:
@@ -97,7 +105,7 @@ class LLMEngine:
         added: list[str] = []
         try:
             for i, cid in enumerate(child_ids):
-                cp = params if params.n == 1 else params.clone(seed=None if params.seed is None else params.seed + i)
+                cp = params if params.n == 1 else params.clone(seed=None if params.seed is None else _child_seed(params.seed, i))
                 req = Request(cid, ids, cp, max_tokens=max_tokens, arrival_time=arrival_time)
                 self.core.add_request(req)
                 added.append(cid)
@@ -137,6 +145,7 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        step_start = time.monotonic()
         core_outputs = self.core.step()
         touched: dict[str, None] = {}
         stopped: list[str] = []
@@ -144,6 +153,8 @@ class LLMEngine:
             if out.req_id not in self.output_processor.states:
                 continue
             st, stopped_by_string = self.output_processor.process(out)
+            if st.scheduled_time is None:  # start of the step that first produced output (queue time metric)
+                st.scheduled_time = step_start
             if stopped_by_string:
                 stopped.append(out.req_id)
             touched[st.parent_id] = None
@@ -175,6 +186,7 @@ class LLMEngine:
                 "arrival_time": first.arrival_time,
                 "first_token_time": min((s.first_token_time for s in states if s.first_token_time), default=None),
                 "last_token_time": max((s.last_token_time for s in states if s.last_token_time), default=None),
+                "scheduled_time": min((s.scheduled_time for s in states if s.scheduled_time), default=None),
                 "num_generated_tokens": sum(len(s.token_ids) for s in states),
             },
         )

@@ -5,6 +5,11 @@ from typing import Any, Optional
 
 
 def load_tokenizer(path: str):
+    from pagedllm.tokenizer.light_tokenizer import load_light_tokenizer
+
+    light = load_light_tokenizer(path)  # plain tokenizer.json: no transformers import (seconds)
+    if light is not None:
+        return light
     from transformers import AutoTokenizer
 
     try:

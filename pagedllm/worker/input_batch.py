@@ -60,7 +60,7 @@ def build_sampling_metadata(
         if any(t != 1.0 for t in temps):
             temperature = tensor(temps, torch.float32)
         if any(sp.top_k > 0 for sp in sps):
-            top_k = tensor([sp.top_k if sp.top_k > 0 else vocab_size for sp in sps], torch.long)
+            top_k = tensor([min(sp.top_k, vocab_size) if sp.top_k > 0 else vocab_size for sp in sps], torch.long)
         if any(sp.top_p < 1.0 for sp in sps):
             top_p = tensor([sp.top_p for sp in sps], torch.float32)
         if any(sp.min_p > 0.0 for sp in sps):

@@ -16,6 +16,17 @@ ATTRS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num
          "rms_norm_eps", "tie_word_embeddings", "attention_bias", "mlp_bias", "eos_token_id", "bos_token_id")
 
 
+# what pagedllm's model code assumes when transformers' config object lacks the attribute
+_READ_DEFAULTS = {"attention_bias": False, "mlp_bias": False}
+
+
+def same(hf, light, attr) -> bool:
+    if attr == "head_dim":
+        return (getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads) == light.head_dim
+    d = _READ_DEFAULTS.get(attr)
+    return getattr(hf, attr, d) == getattr(light, attr, d)
+
+
 def _hf(path):
     from transformers import AutoConfig
 
@@ -28,9 +39,9 @@ def test_matches_autoconfig(make_ckpt, arch):
     hf, light = _hf(path), load_config_json(path)
     assert light is not None
     for attr in ATTRS:
-        assert getattr(hf, attr, None) == getattr(light, attr, None), attr
+        assert same(hf, light, attr), attr
     for attr in ("sliding_window", "use_sliding_window", "layer_types"):
-        assert getattr(hf, attr, None) == getattr(light, attr, None), attr
+        assert same(hf, light, attr), attr
     rope = getattr(hf, "rope_parameters", None) or {}
     assert light.rope_theta == rope.get("rope_theta", getattr(hf, "rope_theta", None))
 
@@ -55,7 +66,7 @@ def test_defaults_for_missing_keys_and_fallback(make_ckpt, tmp_path):
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     hf, light = _hf(path), load_config_json(path)
     for attr in ATTRS:
-        assert getattr(hf, attr, None) == getattr(light, attr, None), attr
+        assert same(hf, light, attr), attr
     cfg["architectures"] = ["GPT2LMHeadModel"]
     json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
     assert load_config_json(path) is None  # transformers decides (and pagedllm reports it unsupported)
@@ -64,4 +75,4 @@ def test_defaults_for_missing_keys_and_fallback(make_ckpt, tmp_path):
 def test_default_model(default_model):
     hf, light = _hf(default_model), load_config_json(default_model)
     for attr in ATTRS:
-        assert getattr(hf, attr, None) == getattr(light, attr, None), attr
+        assert same(hf, light, attr), attr

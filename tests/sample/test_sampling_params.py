@@ -4,7 +4,7 @@ from pagedllm import SamplingParams
 
 BAD = [
     ("n", 0), ("n", 1.5), ("temperature", -0.1), ("temperature", 1000), ("top_p", 0.0), ("top_p", 1.5),
-    ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1), ("seed", "x"), ("max_tokens", 0),
+    ("top_k", -2), ("top_k", 2.5), ("min_p", -0.1), ("min_p", 1.1), ("seed", "x"), ("seed", 2**64), ("top_k", 2**40), ("max_tokens", 0),
     ("max_tokens", -5), ("min_tokens", -1), ("stop", [""]), ("stop", [3]), ("stop_token_ids", [-1]),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
     ("repetition_penalty", 3.0), ("logit_bias", {1: 200.0}), ("logprobs", -1), ("logprobs", 21),

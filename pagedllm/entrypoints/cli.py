@@ -1,0 +1,202 @@
+"""The ``pagedllm`` command: ``pagedllm generate`` (offline) and ``pagedllm serve`` (OpenAI server).
+
+Engine flags are derived from EngineConfig's fields. Imports stay lazy: parsing flags loads
+neither torch nor transformers, so ``pagedllm serve`` answers HTTP quickly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+from typing import Optional, Sequence
+
+from pagedllm.config import EngineConfig, default_model_path
+
+_HELP = {
+    "tokenizer": "tokenizer directory (default: the model's)",
+    "dtype": "weights and KV cache dtype: auto (from the checkpoint), float32, bfloat16, float16",
+    "device": "auto, cpu, cuda or cuda:N",
+    "seed": "global random seed",
+    "block_size": "tokens per KV cache block (a power of two)",
+    "kv_cache_memory": "KV cache budget on CPU, in bytes or with a unit (512MiB, 2GiB); default 2GiB",
+    "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights + activations + KV cache)",
+    "num_gpu_blocks_override": "use exactly this many KV cache blocks",
+    "max_num_seqs": "most requests in one batch",
+    "max_num_batched_tokens": "token budget of one step",
+    "max_model_len": "context length (prompt + output); default: the model's max_position_embeddings",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "tensor_parallel_size": "number of tensor parallel ranks",
+    "served_model_name": "the model name clients use (default: the model path)",
+    "max_waiting_requests": "reject new requests with 503 when this many are waiting (default: no limit)",
+}
+_SKIP = {"model"}
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _field_type(f: dataclasses.Field):
+    t = str(f.type)
+    if f.name == "kv_cache_memory":
+        return parse_size
+    for name, conv in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if re.search(rf"\b{name}\b", t):
+            return conv
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
+    """One flag per EngineConfig field (``--max-model-len`` for ``max_model_len``)."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in _SKIP or f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        conv = _field_type(f)
+        help_ = _HELP.get(f.name, f.name.replace("_", " "))
+        if conv is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        else:
+            group.add_argument(flag, dest=f.name, type=conv, default=None, help=help_)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    kwargs = {}
+    for f in dataclasses.fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            kwargs[f.name] = value
+    if not kwargs.get("model"):
+        kwargs["model"] = default_model_path()
+    return EngineConfig(**kwargs)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV-cache LLM inference and serving.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command")
+
+    gen = sub.add_parser("generate", help="generate text offline and print it")
+    gen.add_argument("prompt", nargs="*", help="prompts (default: read one prompt per line from stdin)")
+    gen.add_argument("--model", default=None, help="model directory (default: the embedded tiny-shakespeare)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=1.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
+    gen.add_argument("--n", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    add_engine_args(gen, exclude=("seed",))
+
+    srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    srv.add_argument("model_pos", metavar="MODEL", nargs="?", default=None,
+                     help="model directory (default: the embedded tiny-shakespeare)")
+    srv.add_argument("--model", default=None, help="model directory (same as MODEL)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env PAGEDLLM_API_KEY)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    srv.add_argument("--skip-tokenizer-init", action="store_true",
+                     help="serve a checkpoint without tokenizer files: token-id prompts only, no text in outputs")
+    srv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+    add_engine_args(srv)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    prompts = list(args.prompt)
+    if not prompts:
+        if sys.stdin.isatty():
+            print("pagedllm generate: give prompts as arguments or on stdin", file=sys.stderr)
+            return 2
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    config = engine_config_from_args(args)
+    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.sampling_seed, max_tokens=args.max_tokens)
+    llm = LLM(**dataclasses.asdict(config))
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if len(prompts) > 1 or args.n > 1:
+            print(f"=== prompt {i}: {prompt!r}")
+        for o in out.outputs:
+            if args.n > 1:
+                print(f"--- completion {o.index} ({o.finish_reason})")
+            print(prompt + o.text if not args.chat else o.text)
+    return 0
+
+
+def _catch_stop_signals():
+    """Until the server installs its handlers, remember SIGTERM/SIGINT instead of dying, so a
+    stop during start-up is still a graceful one (exit 0). Returns "was one received?"."""
+    import signal
+
+    got: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: got.append(s))
+    return lambda: bool(got)
+
+
+def _warm_engine_imports() -> None:
+    """Start importing torch and the model code on a side thread while the web stack loads."""
+    import threading
+
+    def work() -> None:
+        try:
+            import pagedllm.worker.worker  # noqa: F401  (torch, models, attention)
+        except Exception:  # the engine loader will report it
+            pass
+
+    threading.Thread(target=work, name="pagedllm-warm-imports", daemon=True).start()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        import pagedllm
+
+        print(pagedllm.__version__)
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    import logging
+
+    level = getattr(args, "log_level", "warning").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        args.stop_requested = _catch_stop_signals()
+        args.model = args.model or args.model_pos
+        if not args.model and not args.served_model_name:  # the embedded default model
+            args.served_model_name = os.path.basename(default_model_path())
+        args.api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+        _warm_engine_imports()
+        from pagedllm.entrypoints.openai.api_server import run_server
+
+        return run_server(args)
+    except ValueError as e:  # bad configuration: one clear line, no traceback
+        print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

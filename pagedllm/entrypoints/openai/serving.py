@@ -1,0 +1,423 @@
+"""Completions and chat completions over AsyncLLM: request -> SamplingParams -> engine streams ->
+OpenAI responses (whole, or server-sent-event chunks).
+
+Every prompt of a request is one engine request; a request's streams are merged (StreamSet) and
+closed together, so a client that goes away aborts all of its engine requests. Admission errors
+(bad input, full queue, dead engine) surface before any byte is sent, as HTTP errors.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+from typing import Any, AsyncIterator, Optional, Union
+
+from pagedllm.engine.async_llm import EngineDeadError, QueueFullError
+from pagedllm.entrypoints.openai import logprobs as lp_format
+from pagedllm.entrypoints.openai.protocol import (
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
+    ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
+    DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo,
+)
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error the client sees as ``{"error": {message, type, param, code}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(status, "server_error")
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def to_api_error(e: BaseException, aliases: Optional[dict[str, str]] = None) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, QueueFullError):
+        return APIError(503, str(e), code="queue_full")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, (ValueError, TypeError)):
+        first = str(e).split(" ", 1)[0]
+        param = (aliases or {}).get(first, first) if first in _PARAM_NAMES else None
+        return APIError(400, str(e), param=param, code="invalid_value")
+    return APIError(500, f"internal error: {e!r}", code="internal_error")
+
+
+def sse(model) -> str:
+    return f"data: {model.model_dump_json()}\n\n"
+
+
+class StreamSet:
+    """One AsyncLLM stream per prompt, merged: iterating yields (prompt index, RequestOutput)."""
+
+    def __init__(self, engine, items: list[tuple[Any, SamplingParams, str]]) -> None:
+        self._engine, self._items = engine, items
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._errors: list[BaseException] = []
+
+    async def start(self) -> "StreamSet":
+        for i, (prompt, params, rid) in enumerate(self._items):
+            self._tasks.append(asyncio.create_task(self._pump(i, self._engine.generate(prompt, params, rid))))
+        # One loop turn runs each generate() up to its first wait: admission errors show up now.
+        await asyncio.sleep(0)
+        if self._errors:
+            self.close()
+            raise self._errors[0]
+        return self
+
+    async def _pump(self, i: int, gen) -> None:
+        try:
+            async for out in gen:
+                self._queue.put_nowait((i, out))
+            self._queue.put_nowait((i, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._errors.append(e)
+            self._queue.put_nowait((i, e))
+
+    async def __aiter__(self):
+        remaining = len(self._tasks)
+        while remaining:
+            i, item = await self._queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+
+    def close(self) -> None:
+        """Cancel every pump: each engine stream is closed, which aborts its request. Synchronous,
+        so it is safe inside a cancelled scope."""
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+
+
+@dataclasses.dataclass
+class _Choice:
+    text: list[str] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+class OpenAIServing:
+    def __init__(self, engine, served_model_names: list[str], model_path: str) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.input_processor = engine.engine.input_processor
+        self.vocab_size = self.input_processor.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.served_model_names = list(served_model_names)
+        self._accepted = set(served_model_names) | {model_path, model_path.rstrip("/").rsplit("/", 1)[-1]}
+
+    # ---- shared -----------------------------------------------------------------------------
+    def check_model(self, name: Optional[str]) -> str:
+        if name and name not in self._accepted:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return name or self.served_model_names[0]
+
+    def sampling_params(self, req, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None,
+                        aliases: Optional[dict[str, str]] = None) -> SamplingParams:
+        bias = None
+        if req.logit_bias:
+            try:
+                bias = {int(k): v for k, v in req.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value")
+            if any(not 0 <= k < self.vocab_size for k in bias):
+                raise APIError(400, f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias",
+                               code="invalid_value")
+        if req.seed is not None and not -(2**63) <= req.seed < 2**63:
+            raise APIError(400, "seed must be a 64-bit signed integer", param="seed", code="invalid_value")
+        top_k = 0 if req.top_k is None else req.top_k
+        if top_k > self.vocab_size:  # same meaning, and no integer overflow in the sampler
+            top_k = self.vocab_size
+        kwargs = dict(
+            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
+            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
+            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+        try:
+            params = SamplingParams(**kwargs)
+        except (ValueError, TypeError) as e:
+            raise to_api_error(e, aliases) from None
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+                "Please reduce the prompt or the completion length.",
+                param=(aliases or {}).get("max_tokens", "max_tokens"), code="context_length_exceeded",
+            )
+        return params
+
+    def _process(self, prompt, param: str) -> tuple[Optional[str], list[int]]:
+        try:
+            return self.input_processor.process(prompt)
+        except ValueError as e:
+            code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
+            raise APIError(400, str(e), param=param, code=code) from None
+
+    async def _start(self, items) -> StreamSet:
+        try:
+            return await StreamSet(self.engine, items).start()
+        except Exception as e:
+            raise to_api_error(e) from None
+
+    @staticmethod
+    def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+    @staticmethod
+    def _error_chunk(e: BaseException) -> str:
+        return sse(to_api_error(e).body())
+
+    # ---- /v1/completions --------------------------------------------------------------------
+    def _completion_prompts(self, prompt) -> list[Any]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt", code="invalid_value")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    async def create_completion(self, req: CompletionRequest):
+        model = self.check_model(req.model)
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
+        if req.echo and req.logprobs is not None and self.tokenizer is None:
+            raise APIError(400, "echo with logprobs needs a tokenizer", param="echo")
+        prompts = [self._process(p, "prompt") for p in self._completion_prompts(req.prompt)]
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        items = []
+        for i, (text, ids) in enumerate(prompts):
+            if text is None and req.echo and self.tokenizer is not None:
+                text = self.tokenizer.decode(ids)
+            prompts[i] = (text, ids)
+            params = self.sampling_params(req, len(ids), req.max_tokens, req.logprobs,
+                                          req.logprobs if req.echo else None)
+            items.append(({"prompt_token_ids": ids, "prompt": text}, params, f"{rid}-{i}"))
+        streams = await self._start(items)
+        if req.stream:
+            return streams, self._completion_stream(req, streams, rid, model, prompts)
+        return await self._completion_full(req, streams, rid, model, prompts)
+
+    def _echo_logprobs(self, out: RequestOutput, n: Optional[int]):
+        if n is None:
+            return None
+        return lp_format.completion_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.tokenizer)
+
+    async def _completion_full(self, req, streams: StreamSet, rid, model, prompts) -> CompletionResponse:
+        choices: dict[tuple[int, int], _Choice] = {}
+        last: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in streams:
+                last[i] = out
+                for o in out.outputs:
+                    c = choices.setdefault((i, o.index), _Choice())
+                    c.text.append(o.text)
+                    c.token_ids.extend(o.token_ids)
+                    if o.logprobs:
+                        c.logprobs.extend(o.logprobs)
+                    if o.finish_reason is not None:
+                        c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+        except Exception as e:
+            raise to_api_error(e) from None
+        finally:
+            streams.close()
+        result, completion_tokens = [], 0
+        for (i, k), c in sorted(choices.items()):
+            text, lps = "".join(c.text), None
+            prefix = (prompts[i][0] or "") if req.echo else ""
+            if req.logprobs is not None:
+                lps = lp_format.completion_logprobs(c.token_ids, c.logprobs, self.tokenizer, len(prefix))
+            if req.echo:
+                text = prefix + text
+                lps = lp_format.prepend(self._echo_logprobs(last[i], req.logprobs), lps)
+            completion_tokens += len(c.token_ids)
+            result.append(CompletionChoice(index=i * req.n + k, text=text, logprobs=lps,
+                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        cached = sum(o.num_cached_tokens for o in last.values())
+        return CompletionResponse(id=rid, model=model, choices=result,
+                                  usage=self._usage(prompt_tokens, completion_tokens, cached))
+
+    async def _completion_stream(self, req, streams: StreamSet, rid, model, prompts) -> AsyncIterator[str]:
+        done, sent, ntok, cached = set(), {}, 0, {}  # sent: characters streamed per choice
+        try:
+            async for i, out in streams:
+                cached[i] = out.num_cached_tokens
+                for o in out.outputs:
+                    key = (i, o.index)
+                    if key in done or (not o.text and not o.token_ids and o.finish_reason is None):
+                        continue
+                    first = key not in sent
+                    prefix = (prompts[i][0] or "") if req.echo and first else ""
+                    text, lps = prefix + o.text, None
+                    if req.logprobs is not None:
+                        lps = lp_format.completion_logprobs(o.token_ids, o.logprobs or [], self.tokenizer,
+                                                            sent.get(key, 0) + len(prefix))
+                    if prefix or (req.echo and first):
+                        lps = lp_format.prepend(self._echo_logprobs(out, req.logprobs), lps)
+                    sent[key] = sent.get(key, 0) + len(text)
+                    ntok += len(o.token_ids)
+                    if o.finish_reason is not None:
+                        done.add(key)
+                    choice = CompletionChoice(index=i * req.n + o.index, text=text, logprobs=lps,
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                    yield sse(CompletionStreamResponse(id=rid, model=model, choices=[choice]))
+            if req.stream_options and req.stream_options.include_usage:
+                usage = self._usage(sum(len(ids) for _, ids in prompts), ntok, sum(cached.values()))
+                yield sse(CompletionStreamResponse(id=rid, model=model, choices=[], usage=usage))
+        except Exception as e:
+            yield self._error_chunk(e)
+        finally:
+            streams.close()
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        if not req.messages:
+            raise APIError(400, "messages must be a non-empty list", param="messages", code="invalid_value")
+        if self.tokenizer is None:
+            raise APIError(400, "chat needs a tokenizer", param="messages")
+        messages = []
+        for m in req.messages:
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" or p.text is None for p in content):
+                    raise APIError(400, "only text content parts are supported", param="messages")
+                content = "\n".join(p.text for p in content)
+            d = {"role": m.role, "content": content or ""}
+            if m.name:
+                d["name"] = m.name
+            messages.append(d)
+        from pagedllm.tokenizer.tokenizer import apply_chat_template
+
+        try:
+            return apply_chat_template(self.tokenizer, messages, req.add_generation_prompt, req.chat_template)
+        except Exception as e:  # template errors are caused by the input
+            raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+
+    async def create_chat_completion(self, req: ChatCompletionRequest):
+        model = self.check_model(req.model)
+        ids = self._process({"prompt_token_ids": self._chat_prompt(req)}, "messages")[1]
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        aliases = {"logprobs": "top_logprobs",
+                   "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+        params = self.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                      aliases=aliases)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._start([({"prompt_token_ids": ids}, params, rid)])
+        if req.stream:
+            return streams, self._chat_stream(req, streams, rid, model, len(ids))
+        return await self._chat_full(req, streams, rid, model, len(ids))
+
+    def _chat_lps(self, req, token_ids, logprobs):
+        if not req.logprobs:
+            return None
+        return lp_format.chat_logprobs(token_ids, logprobs or [], req.top_logprobs or 0, self.tokenizer)
+
+    async def _chat_full(self, req, streams: StreamSet, rid, model, prompt_len) -> ChatCompletionResponse:
+        choices: dict[int, _Choice] = {}
+        cached = 0
+        try:
+            async for _, out in streams:
+                cached = out.num_cached_tokens
+                for o in out.outputs:
+                    c = choices.setdefault(o.index, _Choice())
+                    c.text.append(o.text)
+                    c.token_ids.extend(o.token_ids)
+                    if o.logprobs:
+                        c.logprobs.extend(o.logprobs)
+                    if o.finish_reason is not None:
+                        c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+        except Exception as e:
+            raise to_api_error(e) from None
+        finally:
+            streams.close()
+        result = [
+            ChatChoice(index=k, message=ChatMessage(content="".join(c.text)),
+                       logprobs=self._chat_lps(req, c.token_ids, c.logprobs),
+                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            for k, c in sorted(choices.items())
+        ]
+        ntok = sum(len(c.token_ids) for c in choices.values())
+        return ChatCompletionResponse(id=rid, model=model, choices=result, usage=self._usage(prompt_len, ntok, cached))
+
+    async def _chat_stream(self, req, streams: StreamSet, rid, model, prompt_len) -> AsyncIterator[str]:
+        done, ntok, cached = set(), 0, 0
+        try:
+            for k in range(req.n):
+                choice = ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
+                yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+            async for _, out in streams:
+                cached = out.num_cached_tokens
+                for o in out.outputs:
+                    if o.index in done or (not o.text and not o.token_ids and o.finish_reason is None):
+                        continue
+                    ntok += len(o.token_ids)
+                    if o.finish_reason is not None:
+                        done.add(o.index)
+                    choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(content=o.text),
+                                              logprobs=self._chat_lps(req, o.token_ids, o.logprobs),
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                    yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+            if req.stream_options and req.stream_options.include_usage:
+                usage = self._usage(prompt_len, ntok, cached)
+                yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=usage))
+        except Exception as e:
+            yield self._error_chunk(e)
+        finally:
+            streams.close()
+        yield "data: [DONE]\n\n"
+
+    # ---- /tokenize, /detokenize -------------------------------------------------------------
+    def tokenize(self, req) -> list[int]:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer", param="prompt")
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "pass exactly one of prompt or messages", param="prompt")
+        if req.prompt is not None:
+            return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+        return self._chat_prompt(chat)
+
+    def detokenize(self, req) -> str:
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer", param="tokens")
+        if any(not 0 <= t < self.vocab_size for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {self.vocab_size})", param="tokens", code="invalid_value")
+        return self.tokenizer.decode(req.tokens)

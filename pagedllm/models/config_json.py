@@ -1,0 +1,78 @@
+"""Read a checkpoint's config.json without importing transformers (which takes seconds: it pulls
+in torch.distributed.tensor and sympy just to define LlamaConfig).
+
+Only for the architectures pagedllm runs; anything else returns None and the caller falls back
+to ``transformers.AutoConfig``. Missing keys get the transformers class defaults of the
+attributes pagedllm reads; ``rope_theta`` / ``rope_scaling`` are also taken from the newer
+``rope_parameters`` spelling.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+_COMMON = dict(
+    vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=None, head_dim=None, hidden_act="silu", max_position_embeddings=2048, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, attention_bias=False, mlp_bias=False, rope_scaling=None, rope_theta=10000.0,
+    bos_token_id=1, eos_token_id=2, pad_token_id=None,
+)
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": dict(_COMMON),
+    "MistralForCausalLM": dict(_COMMON, intermediate_size=14336, num_key_value_heads=8,
+                               max_position_embeddings=4096 * 32, rms_norm_eps=1e-6, sliding_window=4096),
+    "Qwen2ForCausalLM": dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
+                             rope_theta=10000.0, use_sliding_window=False, sliding_window=4096,
+                             bos_token_id=None, eos_token_id=None),
+    "Qwen3ForCausalLM": dict(_COMMON, vocab_size=151936, intermediate_size=22016, max_position_embeddings=32768,
+                             head_dim=128, rope_theta=10000.0, use_sliding_window=False, sliding_window=4096,
+                             bos_token_id=None, eos_token_id=None),
+}
+
+
+class JsonConfig:
+    """Attribute access over config.json plus defaults (picklable, for worker processes)."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+
+    def __getattr__(self, name: str):  # only called for missing attributes
+        raise AttributeError(f"config has no attribute {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __repr__(self) -> str:
+        return f"JsonConfig({self.__dict__!r})"
+
+
+def load_config_json(model_dir: str) -> Optional[JsonConfig]:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    archs = raw.get("architectures") or []
+    if not isinstance(raw, dict) or len(archs) != 1 or archs[0] not in _DEFAULTS:
+        return None
+    if raw.get("quantization_config") or raw.get("text_config"):
+        return None
+    values = dict(_DEFAULTS[archs[0]])
+    values.update(raw)
+    rope = raw.get("rope_parameters")
+    if isinstance(rope, dict):
+        if "rope_theta" not in raw and "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        if raw.get("rope_scaling") is None:
+            values["rope_scaling"] = rope
+    if values.get("num_key_value_heads") is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if values.get("head_dim") is None:
+        values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+    if values.get("use_sliding_window") is False:
+        values["sliding_window"] = None
+    if "torch_dtype" not in raw and "dtype" in raw:
+        values["torch_dtype"] = raw["dtype"]
+    return JsonConfig(values)

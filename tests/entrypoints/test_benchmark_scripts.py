@@ -1,0 +1,37 @@
+"""benchmarks/serving.py and benchmarks/startup.py run end to end (tiny workloads)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_serving_benchmark_smoke(server, tmp_path):
+    out = tmp_path / "serving.json"
+    cmd = [sys.executable, "benchmarks/serving.py", "--base-url", server.url, "--model", "tiny", "--num-prompts", "6",
+           "--request-rate", "20", "--input-len-range", "8", "16", "--output-len-range", "3", "6", "--vocab-size",
+           "500", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())
+    assert s["completed"] == 6 and s["failed"] == 0
+    assert 6 * 3 <= s["total_output_tokens"] <= 6 * 6
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_latency_s"):
+        assert set(s[key]) == {"mean", "p50", "p90", "p99"} and s[key]["p50"] > 0
+    assert "TTFT" in r.stdout and "ITL" in r.stdout
+
+
+@pytest.mark.slow
+def test_startup_benchmark_smoke(llama_ckpt, tmp_path):
+    out = tmp_path / "startup.json"
+    cmd = [sys.executable, "benchmarks/startup.py", "--model", llama_ckpt, "--runs", "1", "--out", str(out), "--",
+           "--kv-cache-memory", "16MiB"]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(out.read_text())
+    assert s["runs"][0]["ready_s"] > 0 and s["runs"][0]["exit_code"] == 0
