@@ -182,3 +182,23 @@ class MultiprocExecutor:
         from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
 
         set_tp_group(TPGroup())
+
+
+def launched_as_worker_rank() -> bool:
+    """True in a torchrun-launched process whose rank is not 0 (it serves no API, only steps)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", "0")) != 0
+
+
+def serve_as_worker_rank(config) -> None:
+    """Multi-node entry for ranks > 0: same config as rank 0, then execute its broadcast steps.
+
+        torchrun --nnodes 2 --nproc-per-node 1 --node-rank R --master-addr HOST --master-port 29500 \\
+            -m pagedllm.entrypoints.cli serve MODEL --tensor-parallel-size 2
+    """
+    from pagedllm.config import resolve_max_model_len, resolve_max_num_batched_tokens
+    from pagedllm.engine.core import load_hf_config
+
+    hf_config = load_hf_config(config.model)
+    max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
+    run_worker_rank(config, hf_config, max_model_len, resolve_max_num_batched_tokens(config, max_model_len),
+                    int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))

@@ -32,6 +32,7 @@ class ModelRunner:
         # but its random stream must continue where it stopped).
         self.generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
+        self.tp = get_tp_group()  # fixed at construction: another engine in the process may differ
 
     # ---- state diffs ------------------------------------------------------------------------
     def _apply_diffs(self, so: SchedulerOutput) -> None:
@@ -115,7 +116,7 @@ class ModelRunner:
         if len(sample_idx):
             sample_states = [states[i] for i in sample_idx]
             logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
-            tp = get_tp_group()
+            tp = self.tp
             if tp.rank == 0:
                 smd = build_sampling_metadata(sample_states, self.vocab_size, dev)
                 out = self.sampler(logits, smd)

@@ -75,3 +75,42 @@ def test_dead_rank_fails_fast(make_ckpt):
         llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=SP, use_tqdm=False)
     assert time.time() - t < 10
     llm.engine.shutdown()
+
+
+def test_server_with_tensor_parallel_size_2(make_ckpt):
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
+    ref_llm = LLM(model=path, dtype="float32", kv_cache_memory=16 << 20)
+    ref = [o.outputs[0].text for o in ref_llm.generate(prompt_token_ids=PROMPTS[:2], use_tqdm=False,
+                                                       sampling_params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", path, "--port", str(port),
+                             "--tensor-parallel-size", "2", "--dtype", "float32", "--kv-cache-memory", str(16 << 20),
+                             "--served-model-name", "tp"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not become healthy"
+            time.sleep(0.2)
+        r = httpx.post(url + "/v1/completions", json={"model": "tp", "prompt": PROMPTS[:2], "max_tokens": 8,
+                                                     "temperature": 0, "ignore_eos": True}, timeout=60)
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["text"] for c in choices] == ref and all(c["finish_reason"] == "length" for c in choices)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0

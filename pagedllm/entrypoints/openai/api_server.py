@@ -316,6 +316,12 @@ def run_server(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     config = engine_config_from_args(args)
+    if config.tensor_parallel_size > 1:
+        from pagedllm.executor.multiproc import launched_as_worker_rank, serve_as_worker_rank
+
+        if launched_as_worker_rank():  # torchrun rank > 0: no HTTP, just the model shard's steps
+            serve_as_worker_rank(config)
+            return 0
     state = ServerState(config, args.served_model_name, args.api_key,
                         skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False))
     state.start_loading()  # overlaps model loading with the web stack's start-up
