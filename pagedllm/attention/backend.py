@@ -41,6 +41,22 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return int(self.seq_lens_cpu.shape[0])
 
+    @classmethod
+    def from_host(cls, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_table: np.ndarray,
+                  slot_mapping: np.ndarray, device: torch.device) -> "AttentionMetadata":
+        """Built once per step from the runner's numpy arrays (one copy each to the device)."""
+        return cls(
+            num_actual_tokens=int(query_start_loc[-1]),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_table=torch.from_numpy(block_table).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+
 
 class AttentionImpl(Protocol):
     """One attention layer's kernel pair: store new K/V into the paged cache, then attend."""

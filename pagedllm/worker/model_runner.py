@@ -92,17 +92,7 @@ class ModelRunner:
         logits_indices = qsl[1:][sample_idx] - 1
 
         dev = self.device
-        md = AttentionMetadata(
-            num_actual_tokens=total,
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(n_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-        )
+        md = AttentionMetadata.from_host(qsl, seq_lens, block_table, slots, dev)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(positions).to(dev)
         with set_attention_metadata(md):

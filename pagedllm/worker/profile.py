@@ -28,17 +28,7 @@ def profile_peak_forward(worker, num_tokens: int) -> int:
     positions = np.concatenate([np.arange(n) for n in lens])
     req = np.repeat(np.arange(num_seqs), lens)
     slots = bt[req, positions // spec.block_size].astype(np.int64) * spec.block_size + positions % spec.block_size
-    md = AttentionMetadata(
-        num_actual_tokens=num_tokens,
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-        seq_lens=torch.from_numpy(lens.astype(np.int32)).to(dev),
-        block_table=torch.from_numpy(bt).to(dev),
-        slot_mapping=torch.from_numpy(slots).to(dev),
-        max_query_len=int(lens.max()),
-        max_seq_len=int(lens.max()),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=lens,
-    )
+    md = AttentionMetadata.from_host(qsl, lens, bt, slots, dev)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

@@ -115,6 +115,15 @@ class _Choice:
     finish_reason: Optional[str] = None
     stop_reason: Union[int, str, None] = None
 
+    def add(self, delta) -> None:
+        """Fold one streamed CompletionOutput delta into the accumulated choice."""
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
 
 class OpenAIServing:
     def __init__(self, engine, served_model_names: list[str], model_path: str) -> None:
@@ -242,13 +251,7 @@ class OpenAIServing:
             async for i, out in streams:
                 last[i] = out
                 for o in out.outputs:
-                    c = choices.setdefault((i, o.index), _Choice())
-                    c.text.append(o.text)
-                    c.token_ids.extend(o.token_ids)
-                    if o.logprobs:
-                        c.logprobs.extend(o.logprobs)
-                    if o.finish_reason is not None:
-                        c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                    choices.setdefault((i, o.index), _Choice()).add(o)
         except Exception as e:
             raise to_api_error(e) from None
         finally:
@@ -355,13 +358,7 @@ class OpenAIServing:
             async for _, out in streams:
                 cached = out.num_cached_tokens
                 for o in out.outputs:
-                    c = choices.setdefault(o.index, _Choice())
-                    c.text.append(o.text)
-                    c.token_ids.extend(o.token_ids)
-                    if o.logprobs:
-                        c.logprobs.extend(o.logprobs)
-                    if o.finish_reason is not None:
-                        c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                    choices.setdefault(o.index, _Choice()).add(o)
         except Exception as e:
             raise to_api_error(e) from None
         finally:
