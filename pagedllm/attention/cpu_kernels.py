@@ -39,8 +39,6 @@ def _cache_dir() -> str:
 
 
 def _build(torch) -> str:
-    from torch.utils import cpp_extension
-
     with open(_SRC, "rb") as f:
         src = f.read()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
@@ -49,6 +47,10 @@ def _build(torch) -> str:
     target = os.path.join(out_dir, _NAME + ".so")
     if os.path.exists(target):
         return target
+    # Imported only to build: it pulls in setuptools, whose import hooks racing with imports on
+    # other threads made a module import fail once (the cached path must stay import-free).
+    from torch.utils import cpp_extension
+
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
