@@ -28,9 +28,6 @@ class CompletionOutput:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
 
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
 
 @dataclass
 class RequestOutput:

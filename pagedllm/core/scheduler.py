@@ -58,9 +58,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.limits.max_num_batched_tokens
