@@ -19,11 +19,8 @@ def _attach(param: nn.Parameter, loader) -> nn.Parameter:
     return param
 
 
-def narrow(src, dim: int, start: int, length: int) -> torch.Tensor:
-    """Narrow a tensor or a not-yet-read checkpoint slice (reads only the part asked for)."""
-    return src.narrow(dim, start, length)
-
-
+# Loaders receive a tensor or a not-yet-read checkpoint slice (models/loader.SliceSource); both
+# support .narrow(dim, start, length), which on a slice reads only that part from disk.
 def materialize(src) -> torch.Tensor:
     return src.full() if hasattr(src, "full") else src
 
@@ -75,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: Optional[int] = None) -> None:
         offset, size = self._shard_offset(shard_id)
-        piece = narrow(loaded, 0, self.tp_rank * size, size) if self.tp_size > 1 else materialize(loaded)
+        piece = loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else materialize(loaded)
         if piece.shape[0] != size or piece.shape[1:] != param.shape[1:]:
             raise ValueError(f"shape mismatch loading shard {shard_id}: {tuple(loaded.shape)} into {tuple(param.shape)}")
         param.data.narrow(0, offset, size).copy_(piece)
@@ -115,7 +112,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             start = self.tp_rank * size
         else:  # rank r uses kv head block r // replicas
             start = (self.tp_rank // self.kv_replicas) * size
-        piece = narrow(loaded, 0, start, size)
+        piece = loaded.narrow(0, start, size)
         if piece.shape[1:] != param.shape[1:]:
             raise ValueError(f"shape mismatch loading {shard_id}: {tuple(loaded.shape)} into {tuple(param.shape)}")
         param.data.narrow(0, offset, size).copy_(piece)
@@ -137,7 +134,7 @@ class RowParallelLinear(nn.Module):
         )
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        piece = narrow(loaded, 1, self.tp.rank * self.in_local, self.in_local) if self.tp.world_size > 1 else loaded
+        piece = loaded.narrow(1, self.tp.rank * self.in_local, self.in_local) if self.tp.world_size > 1 else loaded
         default_weight_loader(param, piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: Optional[torch.Generator] = None
-    prompt_counts: Optional[torch.Tensor] = field(default=None, repr=False)
+    prompt_token_mask: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -101,10 +101,10 @@ def build_sampling_metadata(
             if out:
                 ids = torch.tensor(out, dtype=torch.long, device=device)
                 output_counts[i].index_add_(0, ids, torch.ones(len(out), device=device))
-            if s.prompt_counts is None:
-                s.prompt_counts = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-                s.prompt_counts[torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=device)] = True
-            prompt_mask[i] = s.prompt_counts
+            if s.prompt_token_mask is None:
+                s.prompt_token_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+                s.prompt_token_mask[torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=device)] = True
+            prompt_mask[i] = s.prompt_token_mask
         if any(sp.presence_penalty for sp in sps):
             presence = tensor([sp.presence_penalty for sp in sps], torch.float32)
         if any(sp.frequency_penalty for sp in sps):
