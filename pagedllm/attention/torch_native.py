@@ -25,6 +25,7 @@ from pagedllm.attention.backend import AttentionMetadata
 
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the C++ decode kernel reads
 _QUERY_CHUNK_POSITIONS = 256  # manual prefill path: query positions per chunk (bounds the score
 # matrix, and a chunk only multiplies against keys up to its last position: causal savings)
 
@@ -131,7 +132,8 @@ class TorchNativeAttention:
         key = ("torch_native", block_size, self.sliding_window, self.group, dtype)
         plan = md.backend_cache.get(key)
         if plan is None:
-            kernels = cpu_kernels.ready() if dtype == torch.float32 and md.block_table.device.type == "cpu" else None
+            usable = dtype in _KERNEL_DTYPES and self.head_dim % 8 == 0 and md.block_table.device.type == "cpu"
+            kernels = cpu_kernels.ready() if usable else None
             plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, kernels is not None)
         return plan
 

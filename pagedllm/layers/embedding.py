@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.layers.cpu_gemm import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,11 +39,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Computes this rank's slice of the logits and gathers the full vocabulary."""
 
+    packable_weight = True
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__(vocab_size, hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.layers.cpu_gemm import linear
 
 
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:
@@ -33,6 +33,8 @@ def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
 
 
 class ReplicatedLinear(nn.Module):
+    packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _attach(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), default_weight_loader)
@@ -41,7 +43,7 @@ class ReplicatedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -50,6 +52,8 @@ class ColumnParallelLinear(nn.Module):
     ``output_sizes`` lists the logical sub-matrices packed along the output dim (e.g. gate and up);
     each is split across ranks separately so shard ``i`` of the checkpoint lands at its offset.
     """
+
+    packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -78,7 +82,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -121,6 +125,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial products summed with one all-reduce."""
 
+    packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         tp = get_tp_group()
@@ -138,7 +144,7 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

@@ -87,11 +87,15 @@ class Worker:
             torch.set_default_dtype(prev)
         load_weights(self.model, config.model)
         self.model.eval()
+        if self.device.type == "cpu":
+            from pagedllm.layers.cpu_gemm import pack_linear_weights
+
+            pack_linear_weights(self.model, self.dtype)
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
         self.backend = get_attention_backend(self.device)
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             from pagedllm.attention import cpu_kernels
 
             cpu_kernels.start_loading()  # compiled once, cached on disk; used as soon as it is ready

@@ -73,3 +73,20 @@ def test_matches_dense_reference(monkeypatch, case, H, Hkv, window, use_kernel):
     impl = torch_native.TorchNativeAttention(H, Hkv, D, D**-0.5, window)
     out = impl.forward(q, k, v, kv, md)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("D,bs", [(32, 2), (64, 16), (128, 32)])
+@pytest.mark.parametrize("window", [None, 24])
+def test_kernel_bfloat16_cache_matches_float32_reference(D, bs, window):
+    """The decode kernel reads a bf16 cache and accumulates in float32: it must agree with the
+    float32 reference computed from the same bf16-rounded values to within bf16 output rounding."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: kernel unavailable")
+    H, Hkv = 6, 2
+    kv, md, q, k, v, table, _, _ = make_batch(**CASES[0], H=H, Hkv=Hkv, D=D, bs=bs, seed=7)
+    kv, q, k, v = (t.to(torch.bfloat16) for t in (kv, q, k, v))
+    ref = dense_reference(kv.float(), md, q.float(), k.float(), v.float(), table, H, Hkv, D, bs, window)
+    impl = torch_native.TorchNativeAttention(H, Hkv, D, D**-0.5, window)
+    out = impl.forward(q, k, v, kv, md)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
