@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
-	$(BIN)/python -m pagedllm.attention.cpu_kernels
+	$(BIN)/python -m pagedllm.kernels.cpu
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,6 +1,7 @@
 """torch_native attention backend: CPU (and reference) implementation over the paged KV cache.
 
-Per layer: one ``index_copy_`` writes the step's new K/V into their slots; then
+Per layer: the step's new K/V are written into their slots (C++ ``write_kv``, else one
+``index_copy_``); then
 - all decode rows (query_len == 1) attend in ONE batched SDPA call over keys gathered through
   the block table (``index_select``, several times faster than advanced indexing on CPU) and
   padded to the longest context, padding masked out;
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import cpu_kernels
+from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.attention.backend import AttentionMetadata
 
 _MAX_DECODE_BUCKETS = 4
@@ -142,8 +143,12 @@ class TorchNativeAttention:
         block_size = kv_cache.shape[2]
         Hkv, D = self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, key[:num_tokens])
-        v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
+        kernels = cpu_kernels.for_tensor(key)
+        if kernels is not None and key.stride(1) == D and value.stride(1) == D and key.stride(2) == 1 and value.stride(2) == 1:
+            kernels.write_kv(k_cache, v_cache, key, value, md.slot_mapping)
+        else:
+            k_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, key[:num_tokens])
+            v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
 
         plan = self._plan(md, block_size, query.dtype)
         out = torch.empty_like(query)

@@ -23,7 +23,7 @@ class LLM:
         config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         self.config = config
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
-        from pagedllm.attention import cpu_kernels
+        from pagedllm.kernels import cpu as cpu_kernels
 
         cpu_kernels.wait()  # offline runs wait for the optional C++ kernels (cached on disk after the first build)
 

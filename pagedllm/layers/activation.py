@@ -4,10 +4,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernels = cpu_kernels.for_tensor(x)
+        if kernels is not None and x.dim() == 2 and x.stride(-1) == 1:
+            out = x.new_empty(x.shape[0], x.shape[1] // 2)
+            kernels.silu_and_mul(out, x)
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -7,6 +7,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
+
 
 def _inv_freq(head_dim: int, base: float, rope_scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -44,13 +46,9 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
-
-
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Looked up once per forward and shared by every layer: ([T, 1, D], [T, 1, D])."""
         return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype)
-
-
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +56,19 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _heads_contiguous(x: torch.Tensor) -> bool:
+    return x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
 def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-    """q: [T, Hq, D], k: [T, Hkv, D] rotated by the step's shared (cos, sin)."""
+    """q: [T, Hq, D], k: [T, Hkv, D] rotated by the step's shared (cos, sin). The CPU kernel
+    rotates q and k in place (they are the caller's fresh projections) and returns them."""
     cos, sin = cos_sin
+    kernels = cpu_kernels.for_tensor(q)
+    if kernels is not None and cos.dtype == q.dtype and _heads_contiguous(q) and _heads_contiguous(k):
+        T = q.shape[0]
+        cos2, sin2 = cos.view(T, -1), sin.view(T, -1)
+        kernels.rotary_inplace(q, cos2, sin2)
+        kernels.rotary_inplace(k, cos2, sin2)
+        return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

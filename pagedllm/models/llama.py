@@ -81,9 +81,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, rope, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, rope, h: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) -> (mlp output, residual stream before it); the caller adds them."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(rope, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -110,9 +116,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, h.dtype)
+        residual = None
         for layer in self.layers:
-            h = layer(rope, h)
-        return self.norm(h)
+            h, residual = layer(rope, h, residual)
+        return self.norm(h, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

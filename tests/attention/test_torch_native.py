@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.attention import cpu_kernels, torch_native
+from pagedllm.attention import torch_native
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.kernels import cpu as cpu_kernels
 
 
 def make_batch(qlens, seqlens, H, Hkv, D, bs, seed=0):

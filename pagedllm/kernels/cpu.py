@@ -1,12 +1,12 @@
-"""Optional C++ CPU kernels, built on first use with the system compiler and cached on disk.
+"""Optional C++ CPU kernels (csrc/), built on first use with the system compiler and cached on disk.
 
 The build is ours (not torch's ``cpp_extension.load``), because that one serialises builders
 with a lock file that a killed process leaves behind, hanging every later process. Here each
 builder compiles into its own temporary file and atomically renames it into a cache directory
 keyed by (source, flags, torch, python); concurrent builders just race harmlessly.
 
-If no compiler is available, ``load()`` returns None and the torch_native backend keeps its
-pure-torch path; both paths are tested against each other.
+If no compiler is available, ``load()`` returns None and every caller keeps its pure-torch path
+(``for_tensor`` is how layers ask); both paths are tested against each other.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import threading
 logger = logging.getLogger(__name__)
 
 _NAME = "pagedllm_cpu_kernels"
-_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_decode.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_MAIN = os.path.join(_CSRC, "module.cpp")  # the one translation unit; it includes the headers
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 
 _lock = threading.Lock()
@@ -39,8 +40,10 @@ def _cache_dir() -> str:
 
 
 def _build(torch) -> str:
-    with open(_SRC, "rb") as f:
-        src = f.read()
+    src = b""
+    for name in sorted(os.listdir(_CSRC)):  # every header is part of the cache key
+        with open(os.path.join(_CSRC, name), "rb") as f:
+            src += name.encode() + f.read()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = hashlib.sha256(src + repr((_FLAGS, torch.__version__, sys.version, abi)).encode()).hexdigest()[:16]
     out_dir = os.path.join(_cache_dir(), key)
@@ -57,7 +60,7 @@ def _build(torch) -> str:
     cmd = [os.environ.get("CXX", "c++"), *_FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DTORCH_EXTENSION_NAME={_NAME}",
            "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{sysconfig.get_paths()['include']}"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [_SRC, "-o", tmp]
+    cmd += [_MAIN, "-o", tmp]
     for lib_dir in cpp_extension.library_paths():
         cmd += [f"-L{lib_dir}", f"-Wl,-rpath,{lib_dir}"]
     cmd += ["-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python"]
@@ -120,6 +123,18 @@ def ready():
     return _module if _tried else None
 
 
-if __name__ == "__main__":  # `python -m pagedllm.attention.cpu_kernels`: prebuild (make does this)
+_DTYPES = ("torch.float32", "torch.bfloat16")
+
+
+def for_tensor(t):
+    """The kernels module if it is loaded and handles ``t`` (a CPU float32/bfloat16 tensor), else
+    None: the caller then runs its torch path (GPU tensors, other dtypes, no compiler)."""
+    module = ready()
+    if module is None or t.device.type != "cpu" or str(t.dtype) not in _DTYPES:
+        return None
+    return module
+
+
+if __name__ == "__main__":  # `python -m pagedllm.kernels.cpu`: prebuild (make does this)
     logging.basicConfig(level=logging.INFO)
     print("pagedllm CPU kernels:", "ready" if load() is not None else "unavailable (pure-torch fallback)")

@@ -7,24 +7,15 @@
 // 8 dot products), exponentials are vectorised (Cody-Waite range reduction + degree-5
 // polynomial, about 1 ulp), and the value update is one FMA per 8 lanes. Without AVX2 the
 // same algorithm runs on scalars.
-#include <torch/extension.h>
+#pragma once
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define PAGEDLLM_AVX2 1
-#endif
+#include "vec.h"
 
-namespace {
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-template <typename T>
-inline T from_float(float x) { return static_cast<T>(x); }
+namespace pagedllm {
+namespace decode {
 
 struct Task {
   const float* q;     // [G, D] query heads of this kv head, already scaled, float32
@@ -44,44 +35,6 @@ inline const T* row_ptr(const T* cache, const Task& t, int64_t pos) {
 }
 
 #ifdef PAGEDLLM_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-// e^x for the softmax's x <= 0; inputs below -87 flush to ~0.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // Lane t of the result = sum of the 8 lanes of a[t].
 inline __m256 transpose_sum8(const __m256* a) {
   const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
@@ -195,9 +148,9 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
   }
 }
 
-}  // namespace
+}  // namespace decode
 
-void paged_decode_attention(torch::Tensor out,          // [B, H, D]
+inline void paged_decode_attention(torch::Tensor out,          // [B, H, D]
                             torch::Tensor query,        // [B, H, D], same dtype as the cache
                             torch::Tensor key_cache,    // [num_blocks, block_size, Hkv, D]
                             torch::Tensor value_cache,  // [num_blocks, block_size, Hkv, D]
@@ -214,6 +167,7 @@ void paged_decode_attention(torch::Tensor out,          // [B, H, D]
               value_cache.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention: contiguous tensors expected");
   TORCH_CHECK(query.size(2) % 8 == 0, "paged_decode_attention: head_dim must be a multiple of 8");
+  using decode::run;
   if (dtype == torch::kFloat32) {
     run<float>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
   } else {
@@ -221,6 +175,4 @@ void paged_decode_attention(torch::Tensor out,          // [B, H, D]
   }
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU, float32/bfloat16)");
-}
+}  // namespace pagedllm

@@ -1,0 +1,2 @@
+"""Compiled kernels: ``cpu`` builds and loads the C++ CPU ops in ``csrc/`` (Triton GPU kernels live
+with their attention backend)."""

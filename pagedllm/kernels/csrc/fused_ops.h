@@ -1,0 +1,220 @@
+// Fused elementwise CPU ops: one pass over memory instead of the 4-8 torch ops (and as many
+// temporaries) each replaces. Arithmetic in float32; values are rounded to the tensor dtype
+// where the HF reference rounds them (the residual sum, the normalised row before the weight).
+#pragma once
+
+#include <cstring>
+#include <type_traits>
+
+#include "vec.h"
+
+namespace pagedllm {
+namespace fused {
+
+constexpr int64_t kParallelElems = 1 << 15;  // below this a single thread is faster than a fork
+
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* name, F&& fn) {
+  if (dtype == at::kFloat) {
+    fn(float{});
+  } else if (dtype == at::kBFloat16) {
+    fn(c10::BFloat16{});
+  } else {
+    TORCH_CHECK(false, name, ": float32 or bfloat16 expected, got ", dtype);
+  }
+}
+
+inline void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": 2-D tensor with contiguous rows expected");
+}
+
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#ifdef PAGEDLLM_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  s = hsum(acc);
+#endif
+  for (; i < n; ++i) s += to_float(x[i]) * to_float(x[i]);
+  return s;
+}
+
+// out = T(T(x * inv_rms) * w)
+template <typename T>
+void normalize_row(T* out, const T* x, const T* w, float inv, int64_t n) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8) {
+    __m256 y = _mm256_mul_ps(load8(x + i), iv);
+    if constexpr (!std::is_same_v<T, float>) {  // HF rounds the normalised row before the weight
+      alignas(32) T tmp[8];
+      store8(tmp, y);
+      y = load8(tmp);
+    }
+    store8(out + i, _mm256_mul_ps(y, load8(w + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = from_float<T>(to_float(from_float<T>(to_float(x[i]) * inv)) * to_float(w[i]));
+}
+
+}  // namespace fused
+
+// out[i] = rms_norm(x[i]) * weight
+inline void rms_norm(torch::Tensor out, torch::Tensor x, torch::Tensor weight, double eps) {
+  fused::check_rows(x, "rms_norm");
+  fused::check_rows(out, "rms_norm");
+  TORCH_CHECK(out.sizes() == x.sizes() && weight.numel() == x.size(1) && weight.is_contiguous(), "rms_norm: shapes");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(), "rms_norm: dtypes differ");
+  const int64_t N = x.size(0), H = x.size(1), xs = x.stride(0), os = out.stride(0);
+  fused::dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+#pragma omp parallel for if (N * H >= fused::kParallelElems)
+    for (int64_t r = 0; r < N; ++r) {
+      const float inv = 1.0f / std::sqrt(fused::sum_squares(xp + r * xs, H) / H + static_cast<float>(eps));
+      fused::normalize_row(op + r * os, xp + r * xs, wp, inv, H);
+    }
+  });
+}
+
+// residual += x (rounded to the dtype); x = rms_norm(residual) * weight. Both in place.
+inline void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  fused::check_rows(x, "fused_add_rms_norm");
+  fused::check_rows(residual, "fused_add_rms_norm");
+  TORCH_CHECK(residual.sizes() == x.sizes() && weight.numel() == x.size(1) && weight.is_contiguous(),
+              "fused_add_rms_norm: shapes");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "fused_add_rms_norm: dtypes differ");
+  const int64_t N = x.size(0), H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  fused::dispatch(x.scalar_type(), "fused_add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+#pragma omp parallel for if (N * H >= fused::kParallelElems)
+    for (int64_t r = 0; r < N; ++r) {
+      T* xr = xp + r * xs;
+      T* rr = rp + r * rs;
+      int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+      for (; i + 8 <= H; i += 8) store8(rr + i, _mm256_add_ps(load8(rr + i), load8(xr + i)));
+#endif
+      for (; i < H; ++i) rr[i] = from_float<T>(to_float(rr[i]) + to_float(xr[i]));
+      const float inv = 1.0f / std::sqrt(fused::sum_squares(rr, H) / H + static_cast<float>(eps));
+      fused::normalize_row(xr, rr, wp, inv, H);
+    }
+  });
+}
+
+// out = silu(x[:, :I]) * x[:, I:]
+inline void silu_and_mul(torch::Tensor out, torch::Tensor x) {
+  fused::check_rows(x, "silu_and_mul");
+  fused::check_rows(out, "silu_and_mul");
+  const int64_t N = x.size(0), I = out.size(1);
+  TORCH_CHECK(x.size(1) == 2 * I && out.size(0) == N, "silu_and_mul: x must be [N, 2 * I] for out [N, I]");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "silu_and_mul: dtypes differ");
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  fused::dispatch(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+#pragma omp parallel for if (N * I >= fused::kParallelElems)
+    for (int64_t r = 0; r < N; ++r) {
+      const T* g = xp + r * xs;
+      const T* u = g + I;
+      T* o = op + r * os;
+      int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+      const __m256 one = _mm256_set1_ps(1.0f);
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = load8(g + i);
+        const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        store8(o + i, _mm256_mul_ps(s, load8(u + i)));
+      }
+#endif
+      for (; i < I; ++i) {
+        const float gv = to_float(g[i]);
+        o[i] = from_float<T>(gv / (1.0f + std::exp(-gv)) * to_float(u[i]));
+      }
+    }
+  });
+}
+
+// Neox-style rotary embedding in place: x [T, H, D] (rows may be strided, heads contiguous),
+// cos/sin [T, D] contiguous with both halves filled (HF layout).
+inline void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "rotary_inplace: x [T, H, D] with contiguous heads");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, xs = x.stride(0);
+  TORCH_CHECK(D % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D && sin.numel() == T * D,
+              "rotary_inplace: cos/sin [T, D] expected");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(), "rotary_inplace: dtypes differ");
+  fused::dispatch(x.scalar_type(), "rotary_inplace", [&](auto tag) {
+    using T_ = decltype(tag);
+    T_* xp = x.data_ptr<T_>();
+    const T_* cp = cos.data_ptr<T_>();
+    const T_* sp = sin.data_ptr<T_>();
+#pragma omp parallel for if (T * H * D >= fused::kParallelElems)
+    for (int64_t t = 0; t < T; ++t) {
+      const T_* c = cp + t * D;
+      const T_* s = sp + t * D;
+      for (int64_t h = 0; h < H; ++h) {
+        T_* a = xp + t * xs + h * D;
+        T_* b = a + half;
+        int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+        for (; i + 8 <= half; i += 8) {
+          const __m256 av = load8(a + i), bv = load8(b + i);
+          store8(a + i, _mm256_fmsub_ps(av, load8(c + i), _mm256_mul_ps(bv, load8(s + i))));
+          store8(b + i, _mm256_fmadd_ps(bv, load8(c + half + i), _mm256_mul_ps(av, load8(s + half + i))));
+        }
+#endif
+        for (; i < half; ++i) {
+          const float av = to_float(a[i]), bv = to_float(b[i]);
+          a[i] = from_float<T_>(av * to_float(c[i]) - bv * to_float(s[i]));
+          b[i] = from_float<T_>(bv * to_float(c[half + i]) + av * to_float(s[half + i]));
+        }
+      }
+    }
+  });
+}
+
+// Writes each token's key and value rows into their cache slots (slot < 0: skipped).
+inline void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
+                     torch::Tensor slot_mapping) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "write_kv: contiguous caches expected");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "write_kv: int64 slot_mapping");
+  const int64_t T = slot_mapping.numel();
+  TORCH_CHECK(key.dim() == 3 && value.dim() == 3 && key.size(0) >= T && value.size(0) >= T, "write_kv: key/value [T, Hkv, D]");
+  const int64_t row = key.size(1) * key.size(2);
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2),
+              "write_kv: each token's heads must be contiguous");
+  TORCH_CHECK(key_cache.numel() % row == 0 && value_cache.numel() == key_cache.numel(), "write_kv: cache shape");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "write_kv: dtypes differ");
+  const int64_t num_slots = key_cache.numel() / row;
+  const int64_t elem = key.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const char* kp = static_cast<const char*>(key.data_ptr());
+  const char* vp = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * elem, vs = value.stride(0) * elem, bytes = row * elem;
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " out of range");
+#pragma omp parallel for if (T * row >= fused::kParallelElems)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    std::memcpy(kc + slot * bytes, kp + t * ks, bytes);
+    std::memcpy(vc + slot * bytes, vp + t * vs, bytes);
+  }
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,13 @@
+// The one translation unit of pagedllm's CPU kernels (torch/extension.h is slow to compile,
+// so the kernels are headers included here once).
+#include "fused_ops.h"
+#include "paged_decode.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &pagedllm::paged_decode_attention, "paged decode attention over the KV cache blocks");
+  m.def("rms_norm", &pagedllm::rms_norm, "out = rms_norm(x) * weight");
+  m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight (in place)");
+  m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]");
+  m.def("rotary_inplace", &pagedllm::rotary_inplace, "neox-style rotary embedding, in place");
+  m.def("write_kv", &pagedllm::write_kv, "write key/value rows into their cache slots");
+}
