@@ -1,6 +1,6 @@
 // Paged decode attention for CPU (float32 or bfloat16 KV cache, float32 arithmetic).
 //
-// Each (sequence, kv head) task reads its keys and values straight from the KV cache blocks
+// Each task (a sequence, or one kv head of it) reads its keys and values straight from the KV cache blocks
 // through the block table -- no gathered copy, no padding -- and keeps an online softmax, so
 // every K/V row is loaded from memory once for all the query heads that share it (GQA).
 // With AVX2+FMA the scores of 8 positions are computed together (one transpose-reduce per
@@ -8,6 +8,8 @@
 // polynomial, about 1 ulp), and the value update is one FMA per 8 lanes. Without AVX2 the
 // same algorithm runs on scalars.
 #pragma once
+
+#include <omp.h>
 
 #include <algorithm>
 #include <vector>
@@ -17,15 +19,18 @@
 namespace pagedllm {
 namespace decode {
 
+// One sequence and a range of its kv heads. A task takes all kv heads when there are enough
+// sequences to keep every thread busy, so it reads each position's K/V row (all heads)
+// contiguously -- whole blocks in order, which the hardware prefetcher streams.
 struct Task {
-  const float* q;     // [G, D] query heads of this kv head, already scaled, float32
+  const float* q;     // [nkv * G, D] query heads of these kv heads, already scaled, float32
   int64_t n;          // number of attended positions
   int64_t start;      // first attended position (sliding window)
   const int32_t* bt;  // block table row
   int64_t bs;         // block size
-  int64_t row_stride; // elements between consecutive positions of one kv head (Hkv * D)
-  int64_t head_off;   // kvh * D
-  int64_t G, D;
+  int64_t row_stride; // elements between consecutive positions (Hkv * D)
+  int64_t head_off;   // first kv head * D
+  int64_t nkv, G, D;  // kv heads in this task, query heads per kv head, head dim
 };
 
 template <typename T>
@@ -47,10 +52,10 @@ inline __m256 transpose_sum8(const __m256* a) {
 }
 
 template <typename T>
-void attend(const Task& t, const T* kc, const T* vc, float* acc /*[G, D]*/, float* m, float* l) {
-  const int64_t G = t.G, D = t.D;
-  for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY, l[g] = 0.0f;
-  std::fill(acc, acc + G * D, 0.0f);
+void attend(const Task& t, const T* kc, const T* vc, float* acc /*[nkv * G, D]*/, float* m, float* l) {
+  const int64_t R = t.nkv * t.G, G = t.G, D = t.D;
+  for (int64_t r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+  std::fill(acc, acc + R * D, 0.0f);
   const T* krow[8];
   const T* vrow[8];
   alignas(32) float p[8];
@@ -63,27 +68,28 @@ void attend(const Task& t, const T* kc, const T* vc, float* acc /*[G, D]*/, floa
     }
     const __m256 lane_ok = _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = t.q + g * D;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t hoff = (r / G) * D;  // this query head's kv head within the row
+      const float* qr = t.q + r * D;
       __m256 dots[8];
       for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qg + d);
-        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qv, load8(krow[i] + d), dots[i]);
+        const __m256 qv = _mm256_loadu_ps(qr + d);
+        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qv, load8(krow[i] + hoff + d), dots[i]);
       }
-      __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(dots), lane_ok);
-      const float m_new = std::max(m[g], hmax(s));
-      const float alpha = std::exp(m[g] - m_new);  // 0 on the first tile (m = -inf)
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(m_new))), lane_ok);
-      l[g] = l[g] * alpha + hsum(e);
-      m[g] = m_new;
+      __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(dots), lane_ok);
+      const float m_new = std::max(m[r], hmax(sc));
+      const float alpha = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sc, _mm256_set1_ps(m_new))), lane_ok);
+      l[r] = l[r] * alpha + hsum(e);
+      m[r] = m_new;
       _mm256_store_ps(p, e);
-      float* ag = acc + g * D;
+      float* ar = acc + r * D;
       const __m256 av = _mm256_set1_ps(alpha);
       for (int64_t d = 0; d < D; d += 8) {
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ag + d), av);
-        for (int64_t i = 0; i < valid; ++i) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(vrow[i] + d), a);
-        _mm256_storeu_ps(ag + d, a);
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ar + d), av);
+        for (int64_t i = 0; i < valid; ++i) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(vrow[i] + hoff + d), a);
+        _mm256_storeu_ps(ar + d, a);
       }
     }
   }
@@ -91,22 +97,23 @@ void attend(const Task& t, const T* kc, const T* vc, float* acc /*[G, D]*/, floa
 #else
 template <typename T>
 void attend(const Task& t, const T* kc, const T* vc, float* acc, float* m, float* l) {
-  const int64_t G = t.G, D = t.D;
-  for (int64_t g = 0; g < G; ++g) m[g] = -INFINITY, l[g] = 0.0f;
-  std::fill(acc, acc + G * D, 0.0f);
+  const int64_t R = t.nkv * t.G, G = t.G, D = t.D;
+  for (int64_t r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.0f;
+  std::fill(acc, acc + R * D, 0.0f);
   for (int64_t i = 0; i < t.n; ++i) {
     const T* kr = row_ptr(kc, t, t.start + i);
     const T* vr = row_ptr(vc, t, t.start + i);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = t.q + g * D;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t hoff = (r / G) * D;
+      const float* qr = t.q + r * D;
       float s = 0.0f;
-      for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(kr[d]);
-      const float m_new = std::max(m[g], s);
-      const float alpha = std::exp(m[g] - m_new), w = std::exp(s - m_new);
-      l[g] = l[g] * alpha + w;
-      m[g] = m_new;
-      float* ag = acc + g * D;
-      for (int64_t d = 0; d < D; ++d) ag[d] = ag[d] * alpha + w * to_float(vr[d]);
+      for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(kr[hoff + d]);
+      const float m_new = std::max(m[r], s);
+      const float alpha = std::exp(m[r] - m_new), w = std::exp(s - m_new);
+      l[r] = l[r] * alpha + w;
+      m[r] = m_new;
+      float* ar = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) ar[d] = ar[d] * alpha + w * to_float(vr[hoff + d]);
     }
   }
 }
@@ -126,23 +133,26 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
   T* o = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
+  // Whole sequences per task when they alone keep the threads busy, else one kv head each.
+  const int64_t nkv = B >= 2 * omp_get_max_threads() ? Hkv : 1;
+  const int64_t splits = Hkv / nkv;
 #pragma omp parallel
   {
-    std::vector<float> qs(G * D), acc(G * D), m(G), l(G);
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-        const int64_t L = sl[b];
-        const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
-        const T* qh = q + (b * H + kvh * G) * D;
-        for (int64_t i = 0; i < G * D; ++i) qs[i] = to_float(qh[i]) * fscale;
-        const Task task{qs.data(), L - start, start, bt + b * max_blocks, bs, Hkv * D, kvh * D, G, D};
-        attend<T>(task, kc, vc, acc.data(), m.data(), l.data());
-        T* oh = o + (b * H + kvh * G) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-          for (int64_t d = 0; d < D; ++d) oh[g * D + d] = from_float<T>(acc[g * D + d] * inv);
-        }
+    std::vector<float> qs(nkv * G * D), acc(nkv * G * D), m(nkv * G), l(nkv * G);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < B * splits; ++task) {
+      const int64_t b = task / splits, h0 = (task % splits) * nkv;
+      const int64_t L = sl[b];
+      const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
+      const int64_t rows = nkv * G;
+      const T* qh = q + (b * H + h0 * G) * D;
+      for (int64_t i = 0; i < rows * D; ++i) qs[i] = to_float(qh[i]) * fscale;
+      const Task t{qs.data(), L - start, start, bt + b * max_blocks, bs, Hkv * D, h0 * D, nkv, G, D};
+      attend<T>(t, kc, vc, acc.data(), m.data(), l.data());
+      T* oh = o + (b * H + h0 * G) * D;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (int64_t d = 0; d < D; ++d) oh[r * D + d] = from_float<T>(acc[r * D + d] * inv);
       }
     }
   }
