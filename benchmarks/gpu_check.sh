@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-shot GPU check for the Triton attention kernels (issue 7): compiled (non-interpreted)
-# correctness tests, then the decode/prefill micro-benchmark. Meant for a lent CUDA machine
+# One-shot GPU check (issue 7): compiled (non-interpreted) Triton attention tests incl. the CUDA
+# graph decode path, end-to-end greedy vs HF on the GPU (graphs and eager), then the
+# decode/prefill micro-benchmark. Meant for a lent CUDA machine
 # (H200, torch 2.11 + triton 3.6); run from anywhere:  bash benchmarks/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,12 @@ if "$PY" -c "import pytest" 2>/dev/null; then
 else
     echo "pytest not importable with $PY: skipping tests"
     status=1
+fi
+
+echo "=== end to end on the GPU: greedy vs HF, CUDA graphs and eager ==="
+if "$PY" -c "import pytest" 2>/dev/null; then
+    PAGEDLLM_TRITON_NATIVE=1 TRITON_INTERPRET=0 timeout 300 "$PY" -m pytest \
+        tests/engine/test_gpu_engine.py -q -p no:cacheprovider -o addopts="" -rs --durations=5 || status=$?
 fi
 
 echo "=== attention kernel benchmark ==="

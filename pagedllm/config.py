@@ -31,6 +31,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (no effect on CPU)
     served_model_name: Optional[str] = None
     max_waiting_requests: Optional[int] = None
 

@@ -33,6 +33,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
         self.tp = get_tp_group()  # fixed at construction: another engine in the process may differ
+        self.graph_runner = None  # a DecodeGraphRunner on CUDA unless enforce_eager (set by the worker)
 
     # ---- state diffs ------------------------------------------------------------------------
     def _apply_diffs(self, so: SchedulerOutput) -> None:
@@ -95,8 +96,12 @@ class ModelRunner:
         md = AttentionMetadata.from_host(qsl, seq_lens, block_table, slots, dev)
         ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos_t = torch.from_numpy(positions).to(dev)
-        with set_attention_metadata(md):
-            hidden = self.model(ids_t, pos_t)
+        graphs = self.graph_runner
+        if graphs is not None and total == len(req_ids) and total <= graphs.max_batch:  # decode-only
+            hidden = graphs.run(ids_t, pos_t, md.slot_mapping, md.seq_lens, md.block_table)
+        else:
+            with set_attention_metadata(md):
+                hidden = self.model(ids_t, pos_t)
         self.num_forward_tokens += total
 
         prompt_lp = self._prompt_logprobs(states, req_ids, starts, n_sched, qsl, hidden)

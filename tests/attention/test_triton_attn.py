@@ -566,3 +566,60 @@ def test_compiles_for_sm90_without_gpu(tmp_path):
         env=env, capture_output=True, text=True, timeout=300,
     )
     assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+def test_decode_graph_runner_padded_static_buffers_match_eager(tmp_path):
+    """The CUDA-graph decode path (static buffers padded to a captured size, max_seq_len fixed at
+    the longest context so split-KV has empty splits) gives the eager flat forward's hidden
+    states, and its padding rows write nothing into the KV cache. On CPU the padded forward runs
+    eagerly through the interpreter; on CUDA the graphs are really captured and replayed."""
+    from checkpoints import make_checkpoint
+
+    from pagedllm.attention.backend import AttentionMetadata
+    from pagedllm.attention.triton_attn import TritonAttentionBackend
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.core import load_hf_config
+    from pagedllm.forward_context import set_attention_metadata
+    from pagedllm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
+    from pagedllm.worker.worker import Worker
+
+    assert capture_sizes(3) == [1, 2, 3] and capture_sizes(100)[-2:] == [96, 100] and capture_sizes(4096)[-1] == 512
+    path = make_checkpoint(str(tmp_path / "m"), "llama")
+    cfg = EngineConfig(model=path, dtype="float32", device=DEVICE.type, block_size=16, enforce_eager=True)
+    worker = Worker(cfg, load_hf_config(path), 1024, 1024)
+    worker.initialize_cache(72)
+    for i, layer in enumerate(worker.model.attention_layers()):
+        layer.bind(TritonAttentionBackend, worker.kv_cache[:, i])
+    model, bs = worker.model, 16
+    rng = np.random.default_rng(0)
+    lens = np.array([5, 17, 9])
+    table = np.array([[0, 1], [2, 3], [4, 5]], dtype=np.int32)
+
+    def forward(ids, qsl, seq_lens, positions):
+        req = np.repeat(np.arange(3), np.diff(qsl))
+        slots = table[req, positions // bs].astype(np.int64) * bs + positions % bs
+        md = AttentionMetadata.from_host(qsl, seq_lens, table, slots, DEVICE)
+        with torch.inference_mode(), set_attention_metadata(md):
+            return model(torch.tensor(ids, device=DEVICE), torch.from_numpy(positions).to(DEVICE)), md
+
+    prompt = rng.integers(3, 500, int(lens.sum()))
+    forward(prompt, np.concatenate([[0], np.cumsum(lens)]), lens, np.concatenate([np.arange(n) for n in lens]))
+    new_ids = rng.integers(3, 500, 3)
+    eager, md = forward(new_ids, np.arange(4), lens + 1, lens.copy())
+    cache_after_eager = worker.kv_cache.clone()
+
+    graphs = DecodeGraphRunner(model, 8, 1024 // bs, 1024, DEVICE, capture=NATIVE)
+    assert graphs.padded_size(3) == 4 and graphs.padded_size(9) is None
+    graphs.capture()
+    with torch.inference_mode():
+        out = graphs.run(torch.tensor(new_ids, device=DEVICE), torch.from_numpy(lens).to(DEVICE), md.slot_mapping,
+                         md.seq_lens, md.block_table)
+    torch.testing.assert_close(out, eager, atol=1e-4, rtol=1e-4)
+    # Padding rows (slot -1) wrote nothing; the real rows rewrote their own slots.
+    flat_now = worker.kv_cache.view(2, worker.kv_cache.shape[1], -1, worker.kv_cache.shape[-2], worker.kv_cache.shape[-1])
+    flat_eager = cache_after_eager.view_as(flat_now)
+    written = md.slot_mapping.cpu()
+    untouched = torch.ones(flat_now.shape[2], dtype=torch.bool)
+    untouched[written] = False
+    assert torch.equal(flat_now[:, :, untouched.to(DEVICE)], flat_eager[:, :, untouched.to(DEVICE)])
+    torch.testing.assert_close(flat_now[:, :, md.slot_mapping], flat_eager[:, :, md.slot_mapping], atol=1e-4, rtol=1e-4)
