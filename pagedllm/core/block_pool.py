@@ -121,12 +121,16 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock]) -> None:
+    def free_blocks(self, blocks_in_eviction_order: Iterable[KVCacheBlock], uncache: bool = False) -> None:
+        """Release one reference per block. ``uncache``: blocks that become free also lose their
+        hash (their contents may never have been written, e.g. after a failed step)."""
         for block in blocks_in_eviction_order:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                if uncache:
+                    self._evict(block)
                 if block.block_hash is None:
                     self.free_queue.appendleft(block)  # nothing worth keeping: reuse first
                 else:

@@ -109,11 +109,13 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = max(start, num_full)
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in fresh]
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, uncache: bool = False) -> None:
+        """``uncache``: forget the prefix-cache hashes of blocks no one else holds (a failed
+        step may have registered blocks whose K/V were never written)."""
         blocks = self.req_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
-            self.pool.free_blocks(reversed(blocks))
+            self.pool.free_blocks(reversed(blocks), uncache)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]

@@ -214,7 +214,7 @@ class Scheduler:
         req.status = status
         if req in self.running:
             self.running.remove(req)
-        self.kv.free(req)
+        self.kv.free(req, uncache=status == RequestStatus.FINISHED_ERROR)
         if req.request_id in self._sent_to_workers:
             self._finished_ids.add(req.request_id)
             self._sent_to_workers.discard(req.request_id)
@@ -232,6 +232,13 @@ class Scheduler:
             self._finish(req, status)
             done.append(rid)
         return done
+
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
+        """The step's execution raised: finish every request it scheduled with "error" (their
+        freshly registered blocks leave the prefix cache), so the engine can go on serving the
+        others."""
+        failed = self.finish_requests(list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
+        return [EngineCoreOutput(rid, [], finish_reason="error") for rid in failed]
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

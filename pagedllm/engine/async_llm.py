@@ -32,6 +32,10 @@ class QueueFullError(RuntimeError):
     """Too many requests are waiting; the caller should retry later (HTTP 503)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine step running this request raised; the others go on (HTTP 500)."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -171,7 +175,12 @@ class AsyncLLM:
                         if self.on_finished is not None:
                             self.on_finished(out)
                     if stream is not None:
-                        stream.put(out)
+                        if out.finished and any(c.finish_reason == "error" for c in out.outputs):
+                            stream.put(RequestFailedError(
+                                f"request {out.request_id} failed inside the engine (see the server log); "
+                                "other requests are unaffected"))
+                        else:
+                            stream.put(out)
         except BaseException as e:  # the engine is broken: fail every stream, fast
             logger.exception("engine loop died")
             self.dead_error = e

@@ -72,7 +72,15 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
+        try:
+            runner_output = self.executor.execute(scheduler_output)
+        except Exception:
+            if self.executor.is_dead:  # e.g. a tensor-parallel rank is gone: nothing to save
+                raise
+            # One step's failure (a bug hit by some input) fails the requests in that step, not
+            # the engine: the worker forgets them with the next step's finished ids.
+            logger.exception("step failed; finishing its %d requests with an error", len(scheduler_output.num_scheduled_tokens))
+            return self.scheduler.fail_step(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def get_stats(self) -> SchedulerStats:

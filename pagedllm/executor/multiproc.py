@@ -139,6 +139,10 @@ class MultiprocExecutor:
     def num_forward_tokens(self) -> int:
         return self.worker.runner.num_forward_tokens
 
+    @property
+    def is_dead(self) -> bool:
+        return self._dead
+
     def _check_alive(self) -> None:
         for r, p in enumerate(self.procs, start=1):
             if not p.is_alive():

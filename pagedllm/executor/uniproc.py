@@ -5,6 +5,8 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 
 
 class UniprocExecutor:
+    is_dead = False  # an exception in the in-process worker leaves it usable for other requests
+
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
         from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
         from pagedllm.worker.worker import Worker

@@ -12,7 +12,7 @@ import dataclasses
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
-from pagedllm.engine.async_llm import EngineDeadError, QueueFullError
+from pagedllm.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
 from pagedllm.entrypoints.openai import logprobs as lp_format
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
@@ -47,6 +47,8 @@ def to_api_error(e: BaseException, aliases: Optional[dict[str, str]] = None) -> 
         return APIError(503, str(e), code="queue_full")
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, RequestFailedError):
+        return APIError(500, str(e), code="request_failed")
     if isinstance(e, (ValueError, TypeError)):
         first = str(e).split(" ", 1)[0]
         param = (aliases or {}).get(first, first) if first in _PARAM_NAMES else None
