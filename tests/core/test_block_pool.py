@@ -66,7 +66,8 @@ def test_allocate_returns_none_without_side_effects():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 5), st.integers(1, 40)), max_size=60),
+@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free", "fail"]), st.integers(0, 5), st.integers(1, 40)),
+                max_size=60),
        st.sampled_from([1, 4, 16]))
 def test_random_add_grow_free_keeps_pool_consistent(ops, block_size):
     kv = KVCacheManager(num_blocks=24, block_size=block_size)
@@ -93,6 +94,11 @@ def test_random_add_grow_free_keeps_pool_consistent(ops, block_size):
         elif op == "free" and live:
             rid = sorted(live)[k % len(live)]
             kv.free(live.pop(rid))
+        elif op == "fail" and live:  # a failed step: blocks no one else holds leave the cache
+            req = live.pop(sorted(live)[k % len(live)])
+            blocks = list(kv.req_blocks[req.request_id])
+            kv.free(req, uncache=True)
+            assert all(b.block_hash is None for b in blocks if b.ref_cnt == 0)
         kv.pool.check_consistency()
         held = sum(len(kv.req_blocks[r]) for r in live)
         assert kv.num_free_blocks >= kv.num_total_blocks - held
