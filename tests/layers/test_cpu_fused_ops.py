@@ -109,3 +109,21 @@ def test_layers_use_kernels_and_match_torch_path(monkeypatch, kernels, dtype):
     slow = (norm(x.clone()), *norm(x.clone(), res.clone()), act(x))
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a.float(), b.float(), **tol(dtype))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 8, 100, 32000])
+def test_argmax_rows_matches_torch_first_maximum_and_nan(kernels, vocab):
+    from pagedllm.sample.sampler import greedy
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g)
+    x[1] = x[1].round()  # ties: the first maximum wins
+    x[2] = float("-inf")
+    if vocab > 3:
+        x[3, 3] = float("nan")
+        x[4, vocab - 1] = 1e30  # in the scalar tail when vocab % 8 != 0
+    out = torch.empty(6, dtype=torch.long)
+    kernels.argmax_rows(out, x)
+    assert torch.equal(out, x.argmax(dim=-1))
+    assert torch.equal(greedy(x), x.argmax(dim=-1))
+    assert torch.equal(greedy(x[:, : max(1, vocab // 2)]), x[:, : max(1, vocab // 2)].argmax(dim=-1))  # strided rows

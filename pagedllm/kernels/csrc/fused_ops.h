@@ -186,6 +186,55 @@ inline void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
   });
 }
 
+// out[r] = index of the first maximum of logits[r] (a NaN counts as the maximum, as in
+// torch.argmax): one vectorised max pass and one compare pass that stops at the first hit.
+inline void argmax_rows(torch::Tensor out, torch::Tensor logits) {
+  fused::check_rows(logits, "argmax_rows");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.size(1) > 0, "argmax_rows: non-empty float32 rows expected");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == logits.size(0),
+              "argmax_rows: int64 out [rows] expected");
+  const int64_t N = logits.size(0), V = logits.size(1), xs = logits.stride(0);
+  const float* xp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+#pragma omp parallel for if (N * V >= fused::kParallelElems)
+  for (int64_t r = 0; r < N; ++r) {
+    const float* x = xp + r * xs;
+    float m = -INFINITY;
+    bool has_nan = false;
+    int64_t i = 0;
+#ifdef PAGEDLLM_AVX2
+    __m256 mv = _mm256_set1_ps(-INFINITY), nan_v = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      mv = _mm256_max_ps(mv, v);
+      nan_v = _mm256_or_ps(nan_v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    m = hmax(mv);
+    has_nan = _mm256_movemask_ps(nan_v) != 0;
+#endif
+    for (; i < V; ++i) {
+      if (std::isnan(x[i])) has_nan = true;
+      else if (x[i] > m) m = x[i];
+    }
+    int64_t best = 0;
+    if (has_nan) {
+      while (!std::isnan(x[best])) ++best;
+    } else {
+      i = 0;
+#ifdef PAGEDLLM_AVX2
+      const __m256 target = _mm256_set1_ps(m);
+      for (; i + 8 <= V; i += 8) {
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        if (hits) break;
+      }
+#endif
+      while (i < V && x[i] != m) ++i;
+      best = i;
+    }
+    op[r] = best;
+  }
+}
+
 // Writes each token's key and value rows into their cache slots (slot < 0: skipped).
 inline void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::Tensor key, torch::Tensor value,
                      torch::Tensor slot_mapping) {

@@ -10,4 +10,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]");
   m.def("rotary_inplace", &pagedllm::rotary_inplace, "neox-style rotary embedding, in place");
   m.def("write_kv", &pagedllm::write_kv, "write key/value rows into their cache slots");
+  m.def("argmax_rows", &pagedllm::argmax_rows, "index of the first maximum of each float32 row");
 }
