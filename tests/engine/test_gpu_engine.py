@@ -33,7 +33,8 @@ def test_greedy_matches_hf_on_gpu(tmp_path_factory, dtype, enforce_eager):
     path = make_checkpoint(str(tmp_path_factory.getbasetemp() / "gpu-llama"), "llama", vocab_size=512, hidden=128,
                            layers=2, heads=4, kv_heads=2, intermediate=256)
     prompts = random_prompts((1, 7, 33, 150, 300), seed=3)
-    llm = LLM(model=path, device="cuda", dtype=dtype, enforce_eager=enforce_eager, gpu_memory_utilization=0.3)
+    llm = LLM(model=path, device="cuda", dtype=dtype, enforce_eager=enforce_eager, gpu_memory_utilization=0.3,
+              max_num_seqs=16)  # graphs for batch sizes 1, 2, 4, 8, 16
     params = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     stats = llm.get_stats()
