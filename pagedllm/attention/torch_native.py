@@ -26,7 +26,6 @@ from pagedllm.attention.backend import AttentionMetadata
 
 _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # cache dtypes the C++ decode kernel reads
 _QUERY_CHUNK_POSITIONS = 256  # manual prefill path: query positions per chunk (bounds the score
 # matrix, and a chunk only multiplies against keys up to its last position: causal savings)
 
@@ -128,14 +127,12 @@ class TorchNativeAttention:
         self.scale = scale
         self.sliding_window = sliding_window
 
-    def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+    def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype, use_kernel: bool) -> _StepPlan:
         # Built by the first layer of the step, reused by the others.
         key = ("torch_native", block_size, self.sliding_window, self.group, dtype)
         plan = md.backend_cache.get(key)
         if plan is None:
-            usable = dtype in _KERNEL_DTYPES and self.head_dim % 8 == 0 and md.block_table.device.type == "cpu"
-            kernels = cpu_kernels.ready() if usable else None
-            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, kernels is not None)
+            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, use_kernel)
         return plan
 
     def forward(self, query, key, value, kv_cache, md: AttentionMetadata) -> torch.Tensor:
@@ -150,13 +147,13 @@ class TorchNativeAttention:
             k_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, key[:num_tokens])
             v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
 
-        plan = self._plan(md, block_size, query.dtype)
+        plan = self._plan(md, block_size, query.dtype, kernels is not None and D % 8 == 0)
         out = torch.empty_like(query)
         if plan.kernel_decode is not None:
             kd = plan.kernel_decode
             q = query[kd.rows].contiguous()
             o = torch.empty_like(q)
-            cpu_kernels.ready().paged_decode_attention(
+            kernels.paged_decode_attention(
                 o, q, k_cache, v_cache, kd.block_table, kd.seq_lens, self.scale, self.sliding_window or 0
             )
             out[kd.rows] = o

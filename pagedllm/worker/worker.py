@@ -111,7 +111,7 @@ class Worker:
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
         self.backend = get_attention_backend(self.device)
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+        if self.device.type == "cpu":  # the kernels take what they support (kernels.cpu.for_tensor)
             from pagedllm.kernels import cpu as cpu_kernels
 
             cpu_kernels.start_loading()  # compiled once, cached on disk; used as soon as it is ready
