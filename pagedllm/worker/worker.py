@@ -10,6 +10,7 @@ from pagedllm.attention.backend import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.models.loader import load_weights
 from pagedllm.models.registry import resolve_model_class
+from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -54,22 +55,6 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def cpu_kv_cache_memory(nbytes: int) -> torch.Tensor:
-    """Anonymous memory the OS zeroes lazily (no second-long memset of a GiB-sized cache at
-    start-up; pages are faulted in as blocks are first written), backed by transparent huge
-    pages where the kernel allows it: 512x fewer page faults on first writes and fewer TLB
-    misses when attention reads blocks scattered over the whole cache."""
-    import mmap
-
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP disabled: plain pages
-            pass
-    return torch.frombuffer(buf, dtype=torch.uint8)  # the tensor keeps the mapping alive
-
-
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_layers: int
@@ -107,6 +92,7 @@ class Worker:
             from pagedllm.layers.cpu_gemm import pack_linear_weights
 
             pack_linear_weights(self.model, self.dtype)
+            keep_freed_activations()  # after loading: the load's temporaries went back to the OS
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)

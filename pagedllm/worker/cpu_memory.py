@@ -1,0 +1,73 @@
+"""Host memory for the CPU worker: the KV cache mapping and the allocator's reuse of freed memory.
+
+Both exist for one reason measured on the development VM: the first write to a page the process
+has never touched costs far more than the write (the kernel zeroes it, and a VM's host may have
+to back it too) -- fresh 32 MB buffers were filled at ~2 GB/s there against ~6 GB/s for reused
+ones.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_HEAP_TRIM_THRESHOLD = 1 << 30
+
+_tuned = False
+
+
+def cpu_kv_cache_memory(nbytes: int) -> torch.Tensor:
+    """Anonymous memory the OS zeroes lazily (no second-long memset of a GiB-sized cache at
+    start-up; pages are faulted in as blocks are first written), backed by transparent huge
+    pages where the kernel allows it: 512x fewer page faults on first writes and fewer TLB
+    misses when attention reads blocks scattered over the whole cache."""
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP disabled: plain pages
+            pass
+    return torch.frombuffer(buf, dtype=torch.uint8)  # the tensor keeps the mapping alive
+
+
+def keep_freed_activations() -> bool:
+    """Make glibc malloc keep freed memory for reuse instead of handing it back to the OS.
+
+    torch allocates every activation with malloc. By default glibc serves blocks above a
+    (dynamic, at most 32 MB) threshold with a fresh mmap and unmaps them on free, and trims the
+    heap top beyond 128 KB-ish, so each forward pass of a prefill step page-faults its large
+    activations (a 2048-token chunk of a 768-wide Llama allocates ~1 GB across its layers) all
+    over again. With mmap-served blocks disabled and a 1 GiB trim threshold, a step reuses the
+    memory the previous one freed. Measured on llama-100m float32 (the throughput benchmark's
+    workload, instrumented): 60.4 -> 54.2 s, prefill GEMMs 118 -> 138 GFLOP/s.
+
+    The cost: the process's resident memory stays at its peak instead of shrinking after it.
+    Process-wide and idempotent; only glibc has mallopt (elsewhere this does nothing).
+    ``PAGEDLLM_CPU_KEEP_FREED_MEMORY=0`` turns it off. Returns whether it is in effect.
+    """
+    global _tuned
+    if _tuned:
+        return True
+    if os.environ.get("PAGEDLLM_CPU_KEEP_FREED_MEMORY", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if mallopt(_M_MMAP_MAX, 0) != 1 or mallopt(_M_TRIM_THRESHOLD, _HEAP_TRIM_THRESHOLD) != 1:
+        logger.debug("mallopt refused; freed activations go back to the OS")
+        return False
+    _tuned = True
+    return True
