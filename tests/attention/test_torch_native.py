@@ -91,3 +91,15 @@ def test_kernel_bfloat16_cache_matches_float32_reference(D, bs, window):
     out = impl.forward(q, k, v, kv, md)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(8, 2, 40), (10, 2, 72), (2, 1, 96)])
+def test_kernel_head_groups_and_dims(H, Hkv, D):
+    """Query heads per kv head of 4 (two groups of 2), 5 (3 + 2) and 2, and head dims that leave a
+    tail after the kernel's 32-dim value chunks (40, 72) or none (96)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: kernel unavailable")
+    kv, md, q, k, v, table, _, _ = make_batch(**CASES[1], H=H, Hkv=Hkv, D=D, bs=16, seed=3)
+    ref = dense_reference(kv, md, q, k, v, table, H, Hkv, D, 16, None)
+    impl = torch_native.TorchNativeAttention(H, Hkv, D, D**-0.5, None)
+    torch.testing.assert_close(impl.forward(q, k, v, kv, md), ref, atol=2e-5, rtol=1e-4)

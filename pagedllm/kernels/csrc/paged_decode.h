@@ -1,12 +1,12 @@
 // Paged decode attention for CPU (float32 or bfloat16 KV cache, float32 arithmetic).
 //
-// Each task (a sequence, or one kv head of it) reads its keys and values straight from the KV cache blocks
-// through the block table -- no gathered copy, no padding -- and keeps an online softmax, so
-// every K/V row is loaded from memory once for all the query heads that share it (GQA).
-// With AVX2+FMA the scores of 8 positions are computed together (one transpose-reduce per
-// 8 dot products), exponentials are vectorised (Cody-Waite range reduction + degree-5
-// polynomial, about 1 ulp), and the value update is one FMA per 8 lanes. Without AVX2 the
-// same algorithm runs on scalars.
+// Each task (a sequence, or one kv head of it) reads its keys and values straight from the KV
+// cache blocks through the block table -- no gathered copy, no padding. With AVX2+FMA a task
+// makes three passes: all scores (each K row loaded from memory once for every query head that
+// shares it, GQA, and from L1 once per register-blocked group of up to three of those heads),
+// then an exact softmax per head vectorised over positions, then the weighted sum of V rows
+// (each loaded once). The next cache block is prefetched while the current one is computed on.
+// Without AVX2 an online-softmax loop runs on scalars.
 #pragma once
 
 #include <omp.h>
@@ -51,53 +51,158 @@ inline __m256 transpose_sum8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-template <typename T>
-void attend(const Task& t, const T* kc, const T* vc, float* acc /*[nkv * G, D]*/, float* m, float* l) {
-  const int64_t R = t.nkv * t.G, G = t.G, D = t.D;
-  for (int64_t r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.0f;
-  std::fill(acc, acc + R * D, 0.0f);
-  const T* krow[8];
-  const T* vrow[8];
-  alignas(32) float p[8];
-  for (int64_t base = 0; base < t.n; base += 8) {
-    const int64_t valid = std::min<int64_t>(8, t.n - base);
-    for (int64_t i = 0; i < 8; ++i) {  // tail lanes repeat the last row; their weight is zeroed
-      const int64_t pos = t.start + base + std::min<int64_t>(i, valid - 1);
-      krow[i] = row_ptr(kc, t, pos);
-      vrow[i] = row_ptr(vc, t, pos);
+// Scores of NG query heads that share one kv head, for the 8 positions of krow, into rows of s
+// (stride ls); invalid lanes get -inf. Every K vector loaded feeds NG FMAs (the load ports, not
+// the FMA units, bound a one-head-at-a-time loop); NP positions per pass keep NG * NP
+// accumulators plus the operands within the 16 AVX2 registers.
+template <int NG, int NP, typename T>
+inline void score_tile(const float* q /*[NG, D]*/, const T* const* krow, int64_t hoff, int64_t D, __m256 lane_ok,
+                       float* s, int64_t ls) {
+  __m256 dots[NG][8];
+  for (int p0 = 0; p0 < 8; p0 += NP) {
+    __m256 part[NG][NP];
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < NP; ++i) part[g][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 qv[NG];
+      for (int g = 0; g < NG; ++g) qv[g] = _mm256_loadu_ps(q + g * D + d);
+      for (int i = 0; i < NP; ++i) {
+        const __m256 kv = load8(krow[p0 + i] + hoff + d);
+        for (int g = 0; g < NG; ++g) part[g][i] = _mm256_fmadd_ps(qv[g], kv, part[g][i]);
+      }
     }
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < NP; ++i) dots[g][p0 + i] = part[g][i];
+  }
+  for (int g = 0; g < NG; ++g)
+    _mm256_storeu_ps(s + g * ls, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(dots[g]), lane_ok));
+}
+
+// acc rows of NG heads += sum over the cnt positions of vrow of weight * v (weights: rows of w,
+// stride ls). NG x 4 accumulators (32 dims per head) stay in registers across the positions.
+template <int NG, typename T>
+inline void value_tile(const float* w, int64_t ls, const T* const* vrow, int64_t cnt, int64_t hoff, int64_t D,
+                       float* acc /*[NG, D]*/) {
+  int64_t d0 = 0;
+  for (; d0 + 32 <= D; d0 += 32) {
+    __m256 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm256_loadu_ps(acc + g * D + d0 + 8 * j);
+    for (int64_t i = 0; i < cnt; ++i) {
+      __m256 pb[NG];
+      for (int g = 0; g < NG; ++g) pb[g] = _mm256_broadcast_ss(w + g * ls + i);
+      for (int j = 0; j < 4; ++j) {
+        const __m256 vv = load8(vrow[i] + hoff + d0 + 8 * j);
+        for (int g = 0; g < NG; ++g) a[g][j] = _mm256_fmadd_ps(pb[g], vv, a[g][j]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(acc + g * D + d0 + 8 * j, a[g][j]);
+  }
+  for (; d0 < D; d0 += 8) {  // head dims that are not a multiple of 32
+    for (int g = 0; g < NG; ++g) {
+      __m256 a = _mm256_loadu_ps(acc + g * D + d0);
+      for (int64_t i = 0; i < cnt; ++i) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * ls + i), load8(vrow[i] + hoff + d0), a);
+      _mm256_storeu_ps(acc + g * D + d0, a);
+    }
+  }
+}
+
+// Prefetch this task's rows of the cache block holding position pos (rows from pos to the block's
+// end, at most up to n): issued one block ahead, the next block's lines are in flight while the
+// current one is computed on. The hardware prefetchers stop at the jump between two (randomly
+// placed) blocks, which otherwise costs a stall on every block.
+template <typename T>
+inline int64_t prefetch_block(const T* cache, const Task& t, int64_t pos) {
+  const int64_t end = std::min<int64_t>(t.n, ((t.start + pos) / t.bs + 1) * t.bs - t.start);
+  const int64_t row_bytes = t.nkv * t.D * static_cast<int64_t>(sizeof(T));
+  for (int64_t p = pos; p < end; ++p) {
+    const char* r = reinterpret_cast<const char*>(row_ptr(cache, t, t.start + p));
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T1);
+  }
+  return end;  // first position of the next block
+}
+
+// Query heads of one kv head in register-sized groups: 3 at a time (2 + 2 for four).
+inline int64_t head_group(int64_t left) { return left == 4 ? 2 : std::min<int64_t>(3, left); }
+
+// Three passes over one task: (1) all scores, reading each K row once; (2) per head, the max
+// and the exponentials, vectorised over positions; (3) the weighted sum of V rows, reading each
+// V row once. Unlike an online softmax there is no per-tile rescaling chain (max, scalar exp,
+// horizontal sums) on the critical path, and the scores (heads x positions floats) stay in cache.
+template <typename T>
+void attend(const Task& t, const T* kc, const T* vc, float* acc /*[nkv * G, D]*/, float* l,
+            std::vector<float>& scores) {
+  const int64_t R = t.nkv * t.G, G = t.G, D = t.D, n = t.n;
+  const int64_t ls = (n + 7) / 8 * 8;
+  if (static_cast<int64_t>(scores.size()) < R * ls) scores.resize(R * ls);
+  float* s = scores.data();
+  std::fill(acc, acc + R * D, 0.0f);
+  const T* rows[16];
+  int64_t fetched = 0;  // positions before this one are prefetched
+  for (int64_t base = 0; base < n; base += 8) {
+    while (fetched < std::min(n, base + 8 + t.bs)) fetched = prefetch_block(kc, t, fetched);
+    const int64_t valid = std::min<int64_t>(8, n - base);
+    for (int64_t i = 0; i < 8; ++i)  // tail lanes repeat the last row; their scores become -inf
+      rows[i] = row_ptr(kc, t, t.start + base + std::min<int64_t>(i, valid - 1));
     const __m256 lane_ok = _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    for (int64_t r = 0; r < R; ++r) {
-      const int64_t hoff = (r / G) * D;  // this query head's kv head within the row
-      const float* qr = t.q + r * D;
-      __m256 dots[8];
-      for (int i = 0; i < 8; ++i) dots[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(qr + d);
-        for (int i = 0; i < 8; ++i) dots[i] = _mm256_fmadd_ps(qv, load8(krow[i] + hoff + d), dots[i]);
+    for (int64_t h = 0; h < t.nkv; ++h) {
+      for (int64_t g0 = 0, ng; g0 < G; g0 += ng) {
+        ng = head_group(G - g0);
+        const int64_t r = h * G + g0;
+        float* sr = s + r * ls + base;
+        if (ng == 3) {
+          score_tile<3, 4>(t.q + r * D, rows, h * D, D, lane_ok, sr, ls);
+        } else if (ng == 2) {
+          score_tile<2, 4>(t.q + r * D, rows, h * D, D, lane_ok, sr, ls);
+        } else {
+          score_tile<1, 8>(t.q + r * D, rows, h * D, D, lane_ok, sr, ls);
+        }
       }
-      __m256 sc = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(dots), lane_ok);
-      const float m_new = std::max(m[r], hmax(sc));
-      const float alpha = std::exp(m[r] - m_new);  // 0 on the first tile (m = -inf)
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sc, _mm256_set1_ps(m_new))), lane_ok);
-      l[r] = l[r] * alpha + hsum(e);
-      m[r] = m_new;
-      _mm256_store_ps(p, e);
-      float* ar = acc + r * D;
-      const __m256 av = _mm256_set1_ps(alpha);
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(ar + d), av);
-        for (int64_t i = 0; i < valid; ++i) a = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), load8(vrow[i] + hoff + d), a);
-        _mm256_storeu_ps(ar + d, a);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    float* sr = s + r * ls;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < ls; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + i));
+    const __m256 m = _mm256_set1_ps(hmax(mx));
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t i = 0; i < ls; i += 8) {
+      const __m256 x = _mm256_loadu_ps(sr + i);
+      // -inf lanes (past the end) get weight 0, not exp8's clamped tiny value
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+      _mm256_storeu_ps(sr + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    l[r] = hsum(sum);
+  }
+  fetched = 0;
+  for (int64_t base = 0; base < n; base += 16) {
+    while (fetched < std::min(n, base + 16 + t.bs)) fetched = prefetch_block(vc, t, fetched);
+    const int64_t cnt = std::min<int64_t>(16, n - base);
+    for (int64_t i = 0; i < cnt; ++i) rows[i] = row_ptr(vc, t, t.start + base + i);
+    for (int64_t h = 0; h < t.nkv; ++h) {
+      for (int64_t g0 = 0, ng; g0 < G; g0 += ng) {
+        ng = head_group(G - g0);
+        const int64_t r = h * G + g0;
+        if (ng == 3) {
+          value_tile<3>(s + r * ls + base, ls, rows, cnt, h * D, D, acc + r * D);
+        } else if (ng == 2) {
+          value_tile<2>(s + r * ls + base, ls, rows, cnt, h * D, D, acc + r * D);
+        } else {
+          value_tile<1>(s + r * ls + base, ls, rows, cnt, h * D, D, acc + r * D);
+        }
       }
     }
   }
 }
 #else
 template <typename T>
-void attend(const Task& t, const T* kc, const T* vc, float* acc, float* m, float* l) {
+void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::vector<float>& m_work) {
   const int64_t R = t.nkv * t.G, G = t.G, D = t.D;
+  if (static_cast<int64_t>(m_work.size()) < R) m_work.resize(R);
+  float* m = m_work.data();  // online softmax: running max per head
   for (int64_t r = 0; r < R; ++r) m[r] = -INFINITY, l[r] = 0.0f;
   std::fill(acc, acc + R * D, 0.0f);
   for (int64_t i = 0; i < t.n; ++i) {
@@ -138,7 +243,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
   const int64_t splits = Hkv / nkv;
 #pragma omp parallel
   {
-    std::vector<float> qs(nkv * G * D), acc(nkv * G * D), m(nkv * G), l(nkv * G);
+    std::vector<float> qs(nkv * G * D), acc(nkv * G * D), l(nkv * G), work;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < B * splits; ++task) {
       const int64_t b = task / splits, h0 = (task % splits) * nkv;
@@ -148,7 +253,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
       const T* qh = q + (b * H + h0 * G) * D;
       for (int64_t i = 0; i < rows * D; ++i) qs[i] = to_float(qh[i]) * fscale;
       const Task t{qs.data(), L - start, start, bt + b * max_blocks, bs, Hkv * D, h0 * D, nkv, G, D};
-      attend<T>(t, kc, vc, acc.data(), m.data(), l.data());
+      attend<T>(t, kc, vc, acc.data(), l.data(), work);
       T* oh = o + (b * H + h0 * G) * D;
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
