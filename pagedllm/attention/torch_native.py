@@ -61,6 +61,17 @@ class _KernelDecodePlan:
     seq_lens: torch.Tensor  # [B] int32
 
 
+@dataclass
+class _KernelPrefillPlan:
+    """All prefill chunks for the C++ paged prefill kernel (keys and values read from the cache,
+    where this step's chunk was just written)."""
+
+    block_table: torch.Tensor  # [P, max_blocks] int32, contiguous
+    q_start: torch.Tensor  # [P] int32
+    q_len: torch.Tensor  # [P] int32
+    seq_len: torch.Tensor  # [P] int32
+
+
 class _StepPlan:
     def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int], group: int,
                  use_kernel: bool) -> None:
@@ -87,7 +98,18 @@ class _StepPlan:
             for bucket in np.array_split(order, num_buckets):
                 self.decodes.append(self._decode_plan(md, bucket, block_size, sliding_window, device))
         self.prefills: list[_PrefillPlan] = []
-        for i in np.nonzero(qlens > 1)[0]:
+        self.kernel_prefill: Optional[_KernelPrefillPlan] = None
+        prefill_idx = np.nonzero(qlens > 1)[0]
+        if use_kernel and len(prefill_idx):
+            idx_t = torch.from_numpy(prefill_idx).to(device)
+            self.kernel_prefill = _KernelPrefillPlan(
+                md.block_table[idx_t].contiguous(),
+                torch.from_numpy(qsl[prefill_idx].astype(np.int32)).to(device),
+                torch.from_numpy(qlens[prefill_idx].astype(np.int32)).to(device),
+                torch.from_numpy(seq_lens[prefill_idx].astype(np.int32)).to(device),
+            )
+            prefill_idx = prefill_idx[:0]
+        for i in prefill_idx:
             s, e, L = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             q = e - s
             from_cache = L != q
@@ -157,6 +179,12 @@ class TorchNativeAttention:
                 o, q, k_cache, v_cache, kd.block_table, kd.seq_lens, self.scale, self.sliding_window or 0
             )
             out[kd.rows] = o
+        if plan.kernel_prefill is not None:
+            kp = plan.kernel_prefill
+            kernels.paged_prefill_attention(
+                out, query, k_cache, v_cache, kp.block_table, kp.q_start, kp.q_len, kp.seq_len, self.scale,
+                self.sliding_window or 0,
+            )
         for d in plan.decodes:
             B = d.rows.shape[0]
             q = query[d.rows].view(B, Hkv, self.group, D)

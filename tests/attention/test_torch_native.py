@@ -12,12 +12,12 @@ from pagedllm.kernels import cpu as cpu_kernels
 def make_batch(qlens, seqlens, H, Hkv, D, bs, seed=0):
     g = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    nb = 512
-    kv = torch.randn(2, nb, bs, Hkv, D, generator=g)
     qsl = np.zeros(len(qlens) + 1, dtype=np.int64)
     np.cumsum(qlens, out=qsl[1:])
     sl = np.array(seqlens, dtype=np.int64)
     maxb = -(-int(sl.max()) // bs)
+    nb = max(512, len(qlens) * maxb)
+    kv = torch.randn(2, nb, bs, Hkv, D, generator=g)
     table = rng.permutation(nb)[: len(qlens) * maxb].reshape(len(qlens), maxb).astype(np.int32)
     pos = np.concatenate([np.arange(s - q, s) for q, s in zip(qlens, seqlens)])
     req = np.repeat(np.arange(len(qlens)), qlens)
@@ -78,13 +78,14 @@ def test_matches_dense_reference(monkeypatch, case, H, Hkv, window, use_kernel):
 
 @pytest.mark.parametrize("D,bs", [(32, 2), (64, 16), (128, 32)])
 @pytest.mark.parametrize("window", [None, 24])
-def test_kernel_bfloat16_cache_matches_float32_reference(D, bs, window):
-    """The decode kernel reads a bf16 cache and accumulates in float32: it must agree with the
+@pytest.mark.parametrize("case", [0, 1])
+def test_kernel_bfloat16_cache_matches_float32_reference(D, bs, window, case):
+    """The decode and prefill kernels read a bf16 cache and accumulate in float32: they must agree with the
     float32 reference computed from the same bf16-rounded values to within bf16 output rounding."""
     if cpu_kernels.load() is None:
         pytest.skip("no C++ compiler: kernel unavailable")
     H, Hkv = 6, 2
-    kv, md, q, k, v, table, _, _ = make_batch(**CASES[0], H=H, Hkv=Hkv, D=D, bs=bs, seed=7)
+    kv, md, q, k, v, table, _, _ = make_batch(**CASES[case], H=H, Hkv=Hkv, D=D, bs=bs, seed=7)
     kv, q, k, v = (t.to(torch.bfloat16) for t in (kv, q, k, v))
     ref = dense_reference(kv.float(), md, q.float(), k.float(), v.float(), table, H, Hkv, D, bs, window)
     impl = torch_native.TorchNativeAttention(H, Hkv, D, D**-0.5, window)
@@ -95,7 +96,7 @@ def test_kernel_bfloat16_cache_matches_float32_reference(D, bs, window):
 
 @pytest.mark.parametrize("H,Hkv,D", [(8, 2, 40), (10, 2, 72), (2, 1, 96)])
 def test_kernel_head_groups_and_dims(H, Hkv, D):
-    """Query heads per kv head of 4 (two groups of 2), 5 (3 + 2) and 2, and head dims that leave a
+    """Query heads per kv head of 4 (two pairs), 5 (2 + 2 + 1) and 2, and head dims that leave a
     tail after the kernel's 32-dim value chunks (40, 72) or none (96)."""
     if cpu_kernels.load() is None:
         pytest.skip("no C++ compiler: kernel unavailable")

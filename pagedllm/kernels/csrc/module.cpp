@@ -2,9 +2,12 @@
 // so the kernels are headers included here once).
 #include "fused_ops.h"
 #include "paged_decode.h"
+#include "paged_prefill.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &pagedllm::paged_decode_attention, "paged decode attention over the KV cache blocks");
+  m.def("paged_prefill_attention", &pagedllm::paged_prefill_attention,
+        "causal attention of prompt chunks over the KV cache blocks (cached prefix + the chunk)");
   m.def("rms_norm", &pagedllm::rms_norm, "out = rms_norm(x) * weight");
   m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight (in place)");
   m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]");
