@@ -138,6 +138,22 @@ inline int64_t prefetch_block(const T* cache, const Task& t, int64_t pos) {
   return end;  // first position of the next block
 }
 
+// sr[0:ls] = exp(sr - max(sr)) in place, -inf entries (masked, past the end) becoming exactly 0
+// rather than exp8's clamped tiny value; returns the sum (the softmax denominator).
+inline float exp_row(float* sr, int64_t ls /* multiple of 8 */) {
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < ls; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + i));
+  const __m256 m = _mm256_set1_ps(hmax(mx));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < ls; i += 8) {
+    const __m256 x = _mm256_loadu_ps(sr + i);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
+    _mm256_storeu_ps(sr + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum(sum);
+}
+
 // Rows in register-sized groups: two at a time (three spilled registers: measured 72 vs 62
 // GFLOP/s in the prefill kernel).
 inline int64_t head_group(int64_t left) { return std::min<int64_t>(2, left); }
@@ -177,21 +193,7 @@ void attend(const Task& t, const T* kc, const T* vc, float* acc /*[nkv * G, D]*/
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    float* sr = s + r * ls;
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < ls; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + i));
-    const __m256 m = _mm256_set1_ps(hmax(mx));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t i = 0; i < ls; i += 8) {
-      const __m256 x = _mm256_loadu_ps(sr + i);
-      // -inf lanes (past the end) get weight 0, not exp8's clamped tiny value
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-      _mm256_storeu_ps(sr + i, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    l[r] = hsum(sum);
-  }
+  for (int64_t r = 0; r < R; ++r) l[r] = exp_row(s + r * ls, ls);
   fetched = 0;
   for (int64_t base = 0; base < n; base += 16) {
     while (fetched < std::min(n, base + 16 + t.bs)) fetched = prefetch_block(vc, t, fetched);

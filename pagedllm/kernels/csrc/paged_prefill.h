@@ -83,17 +83,7 @@ void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row
     for (int64_t j = pos + 1 - k0; j < ls; ++j) sr[j] = -INFINITY;  // after the row's position
     if (window > 0)
       for (int64_t j = 0; j < pos - window + 1 - k0; ++j) sr[j] = -INFINITY;  // before its window
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < ls; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + j));
-    const __m256 m = _mm256_set1_ps(hmax(mx));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < ls; j += 8) {
-      const __m256 x = _mm256_loadu_ps(sr + j);
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
-      _mm256_storeu_ps(sr + j, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    l[r] = hsum(sum);
+    l[r] = decode::exp_row(sr, ls);
   }
   fetched = 0;
   for (int64_t base = 0; base < n; base += 16) {
