@@ -46,7 +46,7 @@ def keep_freed_activations() -> bool:
     (dynamic, at most 32 MB) threshold with a fresh mmap and unmaps them on free, and trims the
     heap top beyond 128 KB-ish, so each forward pass of a prefill step page-faults its large
     activations (a 2048-token chunk of a 768-wide Llama allocates ~1 GB across its layers) all
-    over again. With mmap-served blocks disabled and a 1 GiB trim threshold, a step reuses the
+    over again. With mmap-served blocks disabled and a 1 GiB trim threshold, a step mostly reuses the
     memory the previous one freed. Measured on llama-100m float32 (the throughput benchmark's
     workload, instrumented): 60.4 -> 54.2 s, prefill GEMMs 118 -> 138 GFLOP/s.
 
