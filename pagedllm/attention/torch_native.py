@@ -1,7 +1,10 @@
 """torch_native attention backend: CPU (and reference) implementation over the paged KV cache.
 
 Per layer: the step's new K/V are written into their slots (C++ ``write_kv``, else one
-``index_copy_``); then
+``index_copy_``); then, where the C++ kernels are built (CPU float32/bfloat16, head_dim a
+multiple of 8), the decodes go to ``paged_decode_attention`` and the prefill chunks to
+``paged_prefill_attention``, both reading K/V straight from the cache blocks. Otherwise (no
+compiler, other dtypes) the pure-torch paths:
 - all decode rows (query_len == 1) attend in ONE batched SDPA call over keys gathered through
   the block table (``index_select``, several times faster than advanced indexing on CPU) and
   padded to the longest context, padding masked out;
@@ -28,6 +31,10 @@ _MAX_DECODE_BUCKETS = 4
 _MIN_DECODE_BUCKET = 8
 _QUERY_CHUNK_POSITIONS = 256  # manual prefill path: query positions per chunk (bounds the score
 # matrix, and a chunk only multiplies against keys up to its last position: causal savings)
+
+
+def _int32(a: np.ndarray, device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(device)
 
 
 def _additive(keep: np.ndarray, device) -> torch.Tensor:
@@ -86,7 +93,7 @@ class _StepPlan:
             self.kernel_decode = _KernelDecodePlan(
                 torch.from_numpy(qsl[decode_idx]).to(device),
                 md.block_table[idx_t].contiguous(),
-                torch.from_numpy(seq_lens[decode_idx].astype(np.int32)).to(device),
+                _int32(seq_lens[decode_idx], device),
             )
             decode_idx = decode_idx[:0]
         # Decodes sorted by context length and cut into a few buckets: each bucket pads only to
@@ -104,9 +111,9 @@ class _StepPlan:
             idx_t = torch.from_numpy(prefill_idx).to(device)
             self.kernel_prefill = _KernelPrefillPlan(
                 md.block_table[idx_t].contiguous(),
-                torch.from_numpy(qsl[prefill_idx].astype(np.int32)).to(device),
-                torch.from_numpy(qlens[prefill_idx].astype(np.int32)).to(device),
-                torch.from_numpy(seq_lens[prefill_idx].astype(np.int32)).to(device),
+                _int32(qsl[prefill_idx], device),
+                _int32(qlens[prefill_idx], device),
+                _int32(seq_lens[prefill_idx], device),
             )
             prefill_idx = prefill_idx[:0]
         for i in prefill_idx:

@@ -2,8 +2,8 @@
 
 Both exist for one reason measured on the development VM: the first write to a page the process
 has never touched costs far more than the write (the kernel zeroes it, and a VM's host may have
-to back it too) -- fresh 32 MB buffers were filled at ~2 GB/s there against ~6 GB/s for reused
-ones.
+to back it too): there, torch's silu over 32 MB took 19.8 ms into a fresh output buffer and 5.9
+ms into a reused one.
 """
 from __future__ import annotations
 

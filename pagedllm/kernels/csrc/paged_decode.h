@@ -154,9 +154,57 @@ inline float exp_row(float* sr, int64_t ls /* multiple of 8 */) {
   return hsum(sum);
 }
 
-// Rows in register-sized groups: two at a time (three spilled registers: measured 72 vs 62
-// GFLOP/s in the prefill kernel).
-inline int64_t head_group(int64_t left) { return std::min<int64_t>(2, left); }
+// Pass 1 of a task: s[r * ls + j] = score of row r (query t.q + r * D) against the task's
+// position j, for j < t.n; lanes up to ls get -inf. Row r reads kv head r / rows_per_head of
+// the task. Rows go in register-blocked pairs (three would spill AVX2's 16 registers: measured
+// 62 vs 72 GFLOP/s in the prefill kernel); each K row is loaded from memory once.
+template <typename T>
+void score_pass(const Task& t, const T* kc, int64_t R, int64_t rows_per_head, float* s, int64_t ls) {
+  const T* rows[8];
+  int64_t fetched = 0;  // positions before this one are prefetched
+  for (int64_t base = 0; base < t.n; base += 8) {
+    while (fetched < std::min(t.n, base + 8 + t.bs)) fetched = prefetch_block(kc, t, fetched);
+    const int64_t valid = std::min<int64_t>(8, t.n - base);
+    fill_rows(kc, t, t.start + base, 8, valid, rows);  // tail lanes repeat the last row; their scores become -inf
+    const __m256 lane_ok = _mm256_castsi256_ps(
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    for (int64_t r0 = 0, hoff = 0; r0 < R; r0 += rows_per_head, hoff += t.D) {
+      for (int64_t r = r0; r < r0 + rows_per_head;) {
+        if (r + 2 <= r0 + rows_per_head) {
+          score_tile<2, 4>(t.q + r * t.D, rows, hoff, t.D, lane_ok, s + r * ls + base, ls);
+          r += 2;
+        } else {
+          score_tile<1, 8>(t.q + r * t.D, rows, hoff, t.D, lane_ok, s + r * ls + base, ls);
+          r += 1;
+        }
+      }
+    }
+  }
+}
+
+// Pass 3 of a task: acc[r * D:] += sum over positions j of s[r * ls + j] * v_j, rows as in
+// score_pass; each V row is loaded from memory once.
+template <typename T>
+void value_pass(const Task& t, const T* vc, const float* s, int64_t ls, int64_t R, int64_t rows_per_head, float* acc) {
+  const T* rows[16];
+  int64_t fetched = 0;
+  for (int64_t base = 0; base < t.n; base += 16) {
+    while (fetched < std::min(t.n, base + 16 + t.bs)) fetched = prefetch_block(vc, t, fetched);
+    const int64_t cnt = std::min<int64_t>(16, t.n - base);
+    fill_rows(vc, t, t.start + base, cnt, cnt, rows);
+    for (int64_t r0 = 0, hoff = 0; r0 < R; r0 += rows_per_head, hoff += t.D) {
+      for (int64_t r = r0; r < r0 + rows_per_head;) {
+        if (r + 2 <= r0 + rows_per_head) {
+          value_tile<2>(s + r * ls + base, ls, rows, cnt, hoff, t.D, acc + r * t.D);
+          r += 2;
+        } else {
+          value_tile<1>(s + r * ls + base, ls, rows, cnt, hoff, t.D, acc + r * t.D);
+          r += 1;
+        }
+      }
+    }
+  }
+}
 
 // Three passes over one task: (1) all scores, reading each K row once; (2) per head, the max
 // and the exponentials, vectorised over positions; (3) the weighted sum of V rows, reading each
@@ -165,54 +213,12 @@ inline int64_t head_group(int64_t left) { return std::min<int64_t>(2, left); }
 template <typename T>
 void attend(const Task& t, const T* kc, const T* vc, float* acc /*[nkv * G, D]*/, float* l,
             std::vector<float>& scores) {
-  const int64_t R = t.nkv * t.G, G = t.G, D = t.D, n = t.n;
-  const int64_t ls = (n + 7) / 8 * 8;
+  const int64_t R = t.nkv * t.G, ls = (t.n + 7) / 8 * 8;
   if (static_cast<int64_t>(scores.size()) < R * ls) scores.resize(R * ls);
-  float* s = scores.data();
-  std::fill(acc, acc + R * D, 0.0f);
-  const T* rows[16];
-  int64_t fetched = 0;  // positions before this one are prefetched
-  for (int64_t base = 0; base < n; base += 8) {
-    while (fetched < std::min(n, base + 8 + t.bs)) fetched = prefetch_block(kc, t, fetched);
-    const int64_t valid = std::min<int64_t>(8, n - base);
-    fill_rows(kc, t, t.start + base, 8, valid, rows);  // tail lanes repeat the last row; their scores become -inf
-    const __m256 lane_ok = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    for (int64_t h = 0; h < t.nkv; ++h) {
-      for (int64_t g0 = 0, ng; g0 < G; g0 += ng) {
-        ng = head_group(G - g0);
-        const int64_t r = h * G + g0;
-        float* sr = s + r * ls + base;
-        if (ng == 3) {
-          score_tile<3, 4>(t.q + r * D, rows, h * D, D, lane_ok, sr, ls);
-        } else if (ng == 2) {
-          score_tile<2, 4>(t.q + r * D, rows, h * D, D, lane_ok, sr, ls);
-        } else {
-          score_tile<1, 8>(t.q + r * D, rows, h * D, D, lane_ok, sr, ls);
-        }
-      }
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) l[r] = exp_row(s + r * ls, ls);
-  fetched = 0;
-  for (int64_t base = 0; base < n; base += 16) {
-    while (fetched < std::min(n, base + 16 + t.bs)) fetched = prefetch_block(vc, t, fetched);
-    const int64_t cnt = std::min<int64_t>(16, n - base);
-    fill_rows(vc, t, t.start + base, cnt, cnt, rows);
-    for (int64_t h = 0; h < t.nkv; ++h) {
-      for (int64_t g0 = 0, ng; g0 < G; g0 += ng) {
-        ng = head_group(G - g0);
-        const int64_t r = h * G + g0;
-        if (ng == 3) {
-          value_tile<3>(s + r * ls + base, ls, rows, cnt, h * D, D, acc + r * D);
-        } else if (ng == 2) {
-          value_tile<2>(s + r * ls + base, ls, rows, cnt, h * D, D, acc + r * D);
-        } else {
-          value_tile<1>(s + r * ls + base, ls, rows, cnt, h * D, D, acc + r * D);
-        }
-      }
-    }
-  }
+  std::fill(acc, acc + R * t.D, 0.0f);
+  score_pass(t, kc, R, t.G, scores.data(), ls);
+  for (int64_t r = 0; r < R; ++r) l[r] = exp_row(scores.data() + r * ls, ls);
+  value_pass(t, vc, scores.data(), ls, R, t.G, acc);
 }
 #else
 template <typename T>

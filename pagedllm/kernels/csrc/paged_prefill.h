@@ -51,32 +51,8 @@ void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row
   const int64_t ls = (n + 7) / 8 * 8;
   if (static_cast<int64_t>(scores.size()) < R * ls) scores.resize(R * ls);
   float* s = scores.data();
-  auto visible = [&](int64_t r, int64_t key) {  // key: absolute position
-    const int64_t pos = first_pos + r / G;
-    return key <= pos && (window <= 0 || key > pos - window);
-  };
 #ifdef PAGEDLLM_AVX2
-  using decode::head_group;
-  const T* rows[16];
-  int64_t fetched = 0;
-  for (int64_t base = 0; base < n; base += 8) {
-    while (fetched < std::min(n, base + 8 + bs)) fetched = decode::prefetch_block(kc, t, fetched);
-    const int64_t valid = std::min<int64_t>(8, n - base);
-    decode::fill_rows(kc, t, k0 + base, 8, valid, rows);
-    const __m256 lane_ok = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-    for (int64_t r0 = 0, ng; r0 < R; r0 += ng) {  // consecutive rows all use kv head h
-      ng = head_group(R - r0);
-      float* sr = s + r0 * ls + base;
-      if (ng == 3) {
-        decode::score_tile<3, 4>(qs.data() + r0 * D, rows, 0, D, lane_ok, sr, ls);
-      } else if (ng == 2) {
-        decode::score_tile<2, 4>(qs.data() + r0 * D, rows, 0, D, lane_ok, sr, ls);
-      } else {
-        decode::score_tile<1, 8>(qs.data() + r0 * D, rows, 0, D, lane_ok, sr, ls);
-      }
-    }
-  }
+  decode::score_pass(t, kc, R, R, s, ls);  // the task's rows all read kv head h (t.head_off)
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * ls;
     const int64_t pos = first_pos + r / G;
@@ -85,23 +61,12 @@ void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row
       for (int64_t j = 0; j < pos - window + 1 - k0; ++j) sr[j] = -INFINITY;  // before its window
     l[r] = decode::exp_row(sr, ls);
   }
-  fetched = 0;
-  for (int64_t base = 0; base < n; base += 16) {
-    while (fetched < std::min(n, base + 16 + bs)) fetched = decode::prefetch_block(vc, t, fetched);
-    const int64_t cnt = std::min<int64_t>(16, n - base);
-    decode::fill_rows(vc, t, k0 + base, cnt, cnt, rows);
-    for (int64_t r0 = 0, ng; r0 < R; r0 += ng) {
-      ng = head_group(R - r0);
-      if (ng == 3) {
-        decode::value_tile<3>(s + r0 * ls + base, ls, rows, cnt, 0, D, acc.data() + r0 * D);
-      } else if (ng == 2) {
-        decode::value_tile<2>(s + r0 * ls + base, ls, rows, cnt, 0, D, acc.data() + r0 * D);
-      } else {
-        decode::value_tile<1>(s + r0 * ls + base, ls, rows, cnt, 0, D, acc.data() + r0 * D);
-      }
-    }
-  }
+  decode::value_pass(t, vc, s, ls, R, R, acc.data());
 #else
+  auto visible = [&](int64_t r, int64_t key) {  // key: absolute position
+    const int64_t pos = first_pos + r / G;
+    return key <= pos && (window <= 0 || key > pos - window);
+  };
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * ls;
     float mx = -INFINITY;
@@ -127,7 +92,6 @@ void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row
     }
   }
 #endif
-  (void)visible;
   for (int64_t r = 0; r < R; ++r) {
     const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
     T* dst = o + ((c.q_start + i0 + r / G) * H + h * G + r % G) * D;
