@@ -1,17 +1,21 @@
-"""CPU matrix products through oneDNN with weights pre-packed once after loading.
+"""CPU matrix products with each linear layer's weight pre-packed once after loading.
 
-On x86 CPUs, ``F.linear`` goes to MKL's sgemm, which is slow for the skinny products that
-decode steps make (measured on a 2-core AVX2 EPYC, M=8 rows x 768 -> 2048: 13 GFLOP/s with MKL
-vs 55 with a packed oneDNN weight; the 32000-row LM head at M=64: 71 vs 118). So after the
-weights are loaded, each linear layer's weight is reordered once into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) and products run through
-``torch.ops.mkldnn._linear_pointwise`` — the same pair torch.compile uses for CPU linears.
+``F.linear`` goes to MKL's sgemm on x86, which is slow for the skinny products decode steps make
+(2-core AVX2 EPYC, M=8 rows x 768 -> 2048: 13 GFLOP/s). Two packed forms replace it:
 
-Precision: a bfloat16 model on a CPU without native bf16 instructions (no AVX512-BF16/AMX)
-cannot pack bf16 weights; there the bf16 weights are upcast once to float32 (exactly, every bf16
-value is a float32 value) and the product runs in float32 before rounding back to bf16. That is
-what a native bf16 GEMM computes (bf16 inputs, float32 accumulation), at float32 speed instead
-of the emulated bf16 path (measured 18 vs 140 GFLOP/s), for twice the weight memory.
+- pagedllm's own GEMM (``kernels/csrc/packed_gemm.h``) when the C++ kernels are built: the weight
+  in 16-column panels, float32 or bfloat16 as the model is (bf16 widened on load, float32
+  arithmetic). On the 12-layer llama-100m shapes (best of 5, weights streamed from memory as in
+  a real decode step) it beat oneDNN's packed GEMM at every row count measured: M=1 14.0 vs 10.9
+  GFLOP/s, M=7 62.5 vs 45.2, M=64 133-162 vs 108-130, M=512 145-170 vs 129-146, M=2048 158 vs
+  140; with bf16 weights decode-sized products read half the bytes (M=8: 97 vs 56).
+- Without the kernels (no compiler): oneDNN's blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the pair torch.compile
+  uses). A bfloat16 model on a CPU without native bf16 (no AVX512-BF16/AMX) has its weights
+  upcast once to float32 there (exact; 140 vs 18 GFLOP/s for the emulated bf16 path).
+
+Either way a bf16 layer computes what a native bf16 GEMM does: bf16 inputs, float32
+accumulation, one rounding of the output to bf16.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.kernels import cpu as cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +57,42 @@ def packed_compute_dtype(model_dtype: torch.dtype) -> Optional[torch.dtype]:
     return None
 
 
+PANEL = 16  # output columns per panel of pagedllm's packed layout
+
+
 def pack_weight(weight: torch.Tensor, compute_dtype: torch.dtype) -> nn.Parameter:
+    """oneDNN's blocked layout of ``weight`` [N, K] (the path without pagedllm's kernels)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(compute_dtype).contiguous(), PACKING_BATCH_HINT)
     return nn.Parameter(packed, requires_grad=False)
 
 
+def pack_panels(weight: torch.Tensor) -> nn.Parameter:
+    """``weight`` [N, K] as [ceil(N / 16), K, 16] panels for ``kernels.packed_linear``:
+    panels[p, k, j] = weight[16 p + j, k], zero past N. The parameter carries N as
+    ``panel_out_features``."""
+    n, k = weight.shape
+    p = -(-n // PANEL)
+    w = weight.detach()
+    if p * PANEL != n:
+        w = F.pad(w, (0, 0, 0, p * PANEL - n))
+    packed = nn.Parameter(w.reshape(p, PANEL, k).transpose(1, 2).contiguous(), requires_grad=False)
+    packed.panel_out_features = n  # type: ignore[attr-defined]
+    return packed
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear`` that also accepts a weight packed by :func:`pack_weight`."""
+    """``F.linear`` that also accepts a weight packed by :func:`pack_panels` or :func:`pack_weight`."""
+    n = getattr(weight, "panel_out_features", None)
+    if n is not None:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
+        y = cpu_kernels.load().packed_linear(x2.contiguous(), weight, n, b)  # loaded: it packed the weight
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.reshape(*lead, n)
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     out_dtype = x.dtype
@@ -74,16 +109,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype) -> int:
     """Replace every packable module's ``weight`` (modules with ``packable_weight = True``) by its
-    packed form; returns how many were packed. A weight shared with another module (a tied LM
+    packed form -- pagedllm's panels when the C++ kernels load (this waits for their build), else
+    oneDNN's -- and return how many were packed. A weight shared with another module (a tied LM
     head shares the embedding table) gets its own packed copy, the original stays dense."""
-    compute = packed_compute_dtype(model_dtype)
-    if compute is None:
-        return 0
+    if model_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
+        pack = pack_panels
+    else:
+        compute = packed_compute_dtype(model_dtype)
+        if compute is None:
+            return 0
+        if compute != model_dtype:
+            logger.info("CPU GEMMs: %s weights upcast to %s once (no native %s on this CPU)", model_dtype, compute,
+                        model_dtype)
+
+        def pack(w: torch.Tensor) -> nn.Parameter:
+            return pack_weight(w, compute)
     count = 0
     for module in model.modules():
-        if getattr(module, "packable_weight", False) and not module.weight.is_mkldnn:
-            module.weight = pack_weight(module.weight, compute)
+        w = getattr(module, "weight", None)
+        if getattr(module, "packable_weight", False) and not w.is_mkldnn and not hasattr(w, "panel_out_features"):
+            module.weight = pack(w)
             count += 1
-    if compute != model_dtype:
-        logger.info("CPU GEMMs: %s weights upcast to %s once (no native %s on this CPU)", model_dtype, compute, model_dtype)
     return count
