@@ -3,10 +3,12 @@
 // a panel's k-th 16 outputs' weights are one 64-byte line and a panel streams sequentially.
 //
 // The microkernel keeps a 6 x 16 tile of y in 12 AVX2 registers; each k broadcasts 6 values of x
-// and loads two 8-wide vectors of the panel for 12 FMAs. Blocking (as GotoBLAS/BLIS): a K-block
-// of the panel (kc x 16) stays in L1 while the x rows of an M-block (mc x kc, in L2) pass by six
-// at a time; threads take contiguous ranges of panels. Weights may be float32 or bfloat16 (widened
-// on load: bf16 -> f32 is exact).
+// and loads two 8-wide vectors of the panel for 12 FMAs. Decode-sized products (M <= kMc: x fits
+// L2) go panel by panel, each panel read from memory once, front to back, in dynamically handed
+// out groups of panels. Larger ones are blocked as in GotoBLAS/BLIS: a K-block of a panel
+// (kc x 16) stays in L1 while the x rows of an M-block (mc x kc, in L2) pass by six at a time,
+// threads taking contiguous ranges of panels. Weights may be float32 or bfloat16 (widened on
+// load: bf16 -> f32 is exact).
 #pragma once
 
 #include <omp.h>
@@ -22,6 +24,7 @@ constexpr int64_t kPanel = 16;  // output columns per packed panel
 constexpr int kMR = 6;          // rows of x per microkernel call
 constexpr int64_t kKc = 256;    // k per block: a 16 KB float32 panel slice in L1
 constexpr int64_t kMc = 96;     // rows of x per block: 96 x 256 floats = 96 KB in L2
+constexpr int64_t kGroup = 4;   // panels per task of a decode-sized product
 
 #ifdef PAGEDLLM_AVX2
 // c[i, 0:cols] (+)= sum over k < kc of a[i, k] * b[k, 0:16], i < MR; b is a packed panel slice.
@@ -92,30 +95,43 @@ inline void slice(const float* x, int64_t K, int64_t mc, const W* b, int64_t kc,
 #endif
 }
 
+// y[rows, n0:n1] += bias[n0:n1]
+inline void add_bias(float* y, int64_t N, int64_t rows, const float* bias, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t n = n0; n < n1; ++n) y[m * N + n] += bias[n];
+}
+
 template <typename W>
 void run(float* y, const float* x, int64_t M, int64_t K, const W* packed, int64_t N, const float* bias) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-#pragma omp parallel
-  {
-    const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t p0 = panels * tid / nt, p1 = panels * (tid + 1) / nt;  // this thread's columns
-    if (M <= kMc) {
-      // Decode-sized: x stays in L2 and each panel is read from memory once, front to back.
-      for (int64_t p = p0; p < p1; ++p)
+  // Work is handed out dynamically: a thread that enters the parallel region late (woken from
+  // sleep after Python ran between two products) takes less of it instead of everyone waiting.
+  if (M <= kMc) {
+    // Decode-sized: x stays in L2 and each panel is read from memory once, front to back; tasks
+    // of kGroup panels.
+    const int64_t groups = (panels + kGroup - 1) / kGroup;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t p = g * kGroup; p < std::min(panels, (g + 1) * kGroup); ++p)
         for (int64_t k0 = 0; k0 < K; k0 += kKc)
           slice(x + k0, K, M, packed + (p * K + k0) * kPanel, std::min(kKc, K - k0), y + p * kPanel, N, k0 > 0,
                 std::min(kPanel, N - p * kPanel));
-    } else {
-      // Prefill-sized: per K-block, each M-block of x (in L2) meets every panel slice.
+      if (bias != nullptr) add_bias(y, N, M, bias, g * kGroup * kPanel, std::min(N, (g + 1) * kGroup * kPanel));
+    }
+  } else {
+#pragma omp parallel
+    {
+      // Prefill-sized: per K-block, each M-block of x (in L2) meets every panel slice of this
+      // thread's contiguous range of panels.
+      const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+      const int64_t p0 = panels * tid / nt, p1 = panels * (tid + 1) / nt;
       for (int64_t k0 = 0; k0 < K; k0 += kKc)
         for (int64_t m0 = 0; m0 < M; m0 += kMc)
           for (int64_t p = p0; p < p1; ++p)
             slice(x + m0 * K + k0, K, std::min(kMc, M - m0), packed + (p * K + k0) * kPanel, std::min(kKc, K - k0),
                   y + m0 * N + p * kPanel, N, k0 > 0, std::min(kPanel, N - p * kPanel));
+      if (bias != nullptr) add_bias(y, N, M, bias, std::min(N, p0 * kPanel), std::min(N, p1 * kPanel));
     }
-    if (bias != nullptr)
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = std::min(N, p0 * kPanel); n < std::min(N, p1 * kPanel); ++n) y[m * N + n] += bias[n];
   }
 }
 
