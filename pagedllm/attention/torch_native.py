@@ -63,7 +63,7 @@ class _PrefillPlan:
 class _KernelDecodePlan:
     """All decodes for the C++ paged kernel: it reads K/V straight from the cache blocks."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | slice  # token rows of the decodes; a slice when they are consecutive
     block_table: torch.Tensor  # [B, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [B] int32
 
@@ -90,8 +90,10 @@ class _StepPlan:
         self.kernel_decode: Optional[_KernelDecodePlan] = None
         if use_kernel and len(decode_idx):
             idx_t = torch.from_numpy(decode_idx).to(device)
+            rows = qsl[decode_idx]
+            consecutive = rows[-1] - rows[0] == len(rows) - 1  # (rows increase)
             self.kernel_decode = _KernelDecodePlan(
-                torch.from_numpy(qsl[decode_idx]).to(device),
+                slice(int(rows[0]), int(rows[-1]) + 1) if consecutive else torch.from_numpy(rows).to(device),
                 md.block_table[idx_t].contiguous(),
                 _int32(seq_lens[decode_idx], device),
             )
@@ -177,15 +179,19 @@ class TorchNativeAttention:
             v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
 
         plan = self._plan(md, block_size, query.dtype, kernels is not None and D % 8 == 0)
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous rows
         if plan.kernel_decode is not None:
             kd = plan.kernel_decode
-            q = query[kd.rows].contiguous()
-            o = torch.empty_like(q)
+            # consecutive rows (the usual case): the kernel reads the strided query rows and
+            # writes its output in place; otherwise a gather and a scatter
+            gathered = not isinstance(kd.rows, slice)
+            q = query[kd.rows].contiguous() if gathered else query[kd.rows]
+            o = torch.empty_like(q) if gathered else out[kd.rows]
             kernels.paged_decode_attention(
                 o, q, k_cache, v_cache, kd.block_table, kd.seq_lens, self.scale, self.sliding_window or 0
             )
-            out[kd.rows] = o
+            if gathered:
+                out[kd.rows] = o
         if plan.kernel_prefill is not None:
             kp = plan.kernel_prefill
             kernels.paged_prefill_attention(

@@ -63,7 +63,8 @@ CASES = [
 @pytest.mark.parametrize("H,Hkv", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("use_kernel", [False, True])
-def test_matches_dense_reference(monkeypatch, case, H, Hkv, window, use_kernel):
+@pytest.mark.parametrize("fused_qkv", [False, True])
+def test_matches_dense_reference(monkeypatch, case, H, Hkv, window, use_kernel, fused_qkv):
     if use_kernel and cpu_kernels.load() is None:
         pytest.skip("no C++ compiler: kernel unavailable")
     if not use_kernel:
@@ -71,6 +72,9 @@ def test_matches_dense_reference(monkeypatch, case, H, Hkv, window, use_kernel):
     D, bs = 32, 16
     kv, md, q, k, v, table, _, _ = make_batch(**CASES[case], H=H, Hkv=Hkv, D=D, bs=bs, seed=case)
     ref = dense_reference(kv, md, q, k, v, table, H, Hkv, D, bs, window)
+    if fused_qkv:  # as the model passes them: strided row views into one qkv projection
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+        q, k, v = (t.view(-1, h, D) for t, h in zip(qkv.split([H * D, Hkv * D, Hkv * D], 1), (H, Hkv, Hkv)))
     impl = torch_native.TorchNativeAttention(H, Hkv, D, D**-0.5, window)
     out = impl.forward(q, k, v, kv, md)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)

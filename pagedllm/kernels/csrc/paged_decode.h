@@ -254,6 +254,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t G = H / Hkv, max_blocks = block_table.size(1);
   const T* q = query.data_ptr<T>();
+  const int64_t q_stride = query.stride(0);  // rows may be strided (a view into the fused qkv)
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
@@ -273,7 +274,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
       const int64_t L = sl[b];
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
       const int64_t rows = nkv * G;
-      const T* qh = q + (b * H + h0 * G) * D;
+      const T* qh = q + b * q_stride + h0 * G * D;
       for (int64_t i = 0; i < rows * D; ++i) qs[i] = to_float(qh[i]) * fscale;
       const Task t{qs.data(), L - start, start, bt + b * max_blocks, bs, Hkv * D, h0 * D, nkv, G, D};
       attend<T>(t, kc, vc, acc.data(), l.data(), work);
@@ -289,7 +290,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
 }  // namespace decode
 
 inline void paged_decode_attention(torch::Tensor out,          // [B, H, D]
-                            torch::Tensor query,        // [B, H, D], same dtype as the cache
+                            torch::Tensor query,        // [B, H, D], same dtype as the cache; rows may be strided
                             torch::Tensor key_cache,    // [num_blocks, block_size, Hkv, D]
                             torch::Tensor value_cache,  // [num_blocks, block_size, Hkv, D]
                             torch::Tensor block_table,  // [B, max_blocks] int32
@@ -301,7 +302,7 @@ inline void paged_decode_attention(torch::Tensor out,          // [B, H, D]
               "paged_decode_attention: query, out and cache dtypes differ");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "paged_decode_attention: int32 block table and seq lens expected");
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && key_cache.is_contiguous() &&
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() && key_cache.is_contiguous() &&
               value_cache.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention: contiguous tensors expected");
   TORCH_CHECK(query.size(2) % 8 == 0, "paged_decode_attention: head_dim must be a multiple of 8");
