@@ -24,17 +24,19 @@ constexpr int64_t kPanel = 16;  // output columns per packed panel
 constexpr int kMR = 6;          // rows of x per microkernel call
 constexpr int64_t kKc = 256;    // k per block: a 16 KB float32 panel slice in L1
 constexpr int64_t kMc = 96;     // rows of x per block: 96 x 256 floats = 96 KB in L2
+constexpr int64_t kPrefetch = 32; // k ahead (= 64-byte lines of a float32 panel) the first tile prefetches
 constexpr int64_t kGroup = 4;   // panels per task of a decode-sized product
 
 #ifdef PAGEDLLM_AVX2
 // c[i, 0:cols] (+)= sum over k < kc of a[i, k] * b[k, 0:16], i < MR; b is a packed panel slice.
-template <int MR, typename W>
+template <int MR, typename W, bool PF = false>
 inline void micro(const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc, bool accumulate,
                   int64_t cols) {
   __m256 lo[MR], hi[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(b + (k + kPrefetch) * kPanel), _MM_HINT_T0);
     const __m256 b0 = load8(b + k * kPanel), b1 = load8(b + k * kPanel + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -66,12 +68,12 @@ inline void micro(const float* a, int64_t lda, const W* b, int64_t kc, float* c,
 }
 
 // The rows < MR left after the full tiles of an M-block.
-template <int MR, typename W>
+template <int MR, typename W, bool PF = false>
 inline void micro_tail(int64_t rows, const float* a, int64_t lda, const W* b, int64_t kc, float* c, int64_t ldc,
                        bool accumulate, int64_t cols) {
   if constexpr (MR > 1) {
-    if (rows == MR - 1) return micro<MR - 1, W>(a, lda, b, kc, c, ldc, accumulate, cols);
-    return micro_tail<MR - 1, W>(rows, a, lda, b, kc, c, ldc, accumulate, cols);
+    if (rows == MR - 1) return micro<MR - 1, W, PF>(a, lda, b, kc, c, ldc, accumulate, cols);
+    return micro_tail<MR - 1, W, PF>(rows, a, lda, b, kc, c, ldc, accumulate, cols);
   }
 }
 #endif
@@ -80,12 +82,21 @@ inline void micro_tail(int64_t rows, const float* a, int64_t lda, const W* b, in
 // panel's first output column of y, cols of its 16 are real.
 template <typename W>
 inline void slice(const float* x, int64_t K, int64_t mc, const W* b, int64_t kc, float* c, int64_t N,
-                  bool accumulate, int64_t cols) {
+                  bool accumulate, int64_t cols, bool streamed) {
 #ifdef PAGEDLLM_AVX2
   int64_t m = 0;
+  if (streamed) {  // read from memory (the panels of a decode-sized product, once, in order): the
+    m = std::min(mc, static_cast<int64_t>(kMR));  // first tile prefetches ahead along the panel
+    if (m == kMR) {
+      micro<kMR, W, true>(x, K, b, kc, c, N, accumulate, cols);
+    } else {
+      micro_tail<kMR, W, true>(m, x, K, b, kc, c, N, accumulate, cols);
+    }
+  }
   for (; m + kMR <= mc; m += kMR) micro<kMR, W>(x + m * K, K, b, kc, c + m * N, N, accumulate, cols);
   if (m < mc) micro_tail<kMR, W>(mc - m, x + m * K, K, b, kc, c + m * N, N, accumulate, cols);
 #else
+  (void)streamed;
   for (int64_t i = 0; i < mc; ++i)
     for (int64_t j = 0; j < cols; ++j) {
       float s = accumulate ? c[i * N + j] : 0.0f;
@@ -115,7 +126,7 @@ void run(float* y, const float* x, int64_t M, int64_t K, const W* packed, int64_
       for (int64_t p = g * kGroup; p < std::min(panels, (g + 1) * kGroup); ++p)
         for (int64_t k0 = 0; k0 < K; k0 += kKc)
           slice(x + k0, K, M, packed + (p * K + k0) * kPanel, std::min(kKc, K - k0), y + p * kPanel, N, k0 > 0,
-                std::min(kPanel, N - p * kPanel));
+                std::min(kPanel, N - p * kPanel), true);
       if (bias != nullptr) add_bias(y, N, M, bias, g * kGroup * kPanel, std::min(N, (g + 1) * kGroup * kPanel));
     }
   } else {
@@ -129,7 +140,7 @@ void run(float* y, const float* x, int64_t M, int64_t K, const W* packed, int64_
         for (int64_t m0 = 0; m0 < M; m0 += kMc)
           for (int64_t p = p0; p < p1; ++p)
             slice(x + m0 * K + k0, K, std::min(kMc, M - m0), packed + (p * K + k0) * kPanel, std::min(kKc, K - k0),
-                  y + m0 * N + p * kPanel, N, k0 > 0, std::min(kPanel, N - p * kPanel));
+                  y + m0 * N + p * kPanel, N, k0 > 0, std::min(kPanel, N - p * kPanel), false);
       if (bias != nullptr) add_bias(y, N, M, bias, std::min(N, p0 * kPanel), std::min(N, p1 * kPanel));
     }
   }
