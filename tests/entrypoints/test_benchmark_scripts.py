@@ -1,4 +1,4 @@
-"""benchmarks/serving.py and benchmarks/startup.py run end to end (tiny workloads)."""
+"""benchmarks/serving.py, benchmarks/startup.py and benchmarks/cpu_gemm.py run end to end (tiny workloads)."""
 from __future__ import annotations
 
 import json
@@ -35,3 +35,19 @@ def test_startup_benchmark_smoke(llama_ckpt, tmp_path):
     assert r.returncode == 0, r.stderr
     s = json.loads(out.read_text())
     assert s["runs"][0]["ready_s"] > 0 and s["runs"][0]["exit_code"] == 0
+
+
+def test_cpu_gemm_benchmark_smoke(tmp_path):
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: kernels unavailable")
+    out = tmp_path / "gemm.json"
+    cmd = [sys.executable, "benchmarks/cpu_gemm.py", "--rows", "1,7,100", "--layers", "1", "--hidden", "64",
+           "--intermediate", "96", "--heads", "4", "--kv-heads", "2", "--vocab", "200", "--rounds", "1", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [row["rows"] for row in rows] == [1, 7, 100]
+    for row in rows:
+        assert row["panels float32 GFLOP/s"] > 0 and row["panels bf16 weights GFLOP/s"] > 0
