@@ -41,3 +41,14 @@ def default_model():
 def random_prompts(lengths, vocab=512, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The built C++ CPU kernels module (tests that need it skip where no compiler is)."""
+    from pagedllm.kernels import cpu as cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("no C++ compiler: kernels unavailable")
+    return module
