@@ -5,10 +5,10 @@
 
 - pagedllm's own GEMM (``kernels/csrc/packed_gemm.h``) when the C++ kernels are built: the weight
   in 16-column panels, float32 or bfloat16 as the model is (bf16 widened on load, float32
-  arithmetic). On the 12-layer llama-100m shapes (best of 5, weights streamed from memory as in
-  a real decode step) it beat oneDNN's packed GEMM at every row count measured: M=1 14.0 vs 10.9
-  GFLOP/s, M=7 62.5 vs 45.2, M=64 133-162 vs 108-130, M=512 145-170 vs 129-146, M=2048 158 vs
-  140; with bf16 weights decode-sized products read half the bytes (M=8: 97 vs 56).
+  arithmetic). ``benchmarks/cpu_gemm.py`` (llama-100m's 12 layers of products, weights streamed
+  from memory as in a decode step) measured it above oneDNN's packed GEMM at every row count:
+  M=1 14.0 vs 11.7 GFLOP/s, M=8 85.6 vs 57.6, M=64 155 vs 118, M=512 159 vs 146, M=2048 144 vs
+  138; with bf16 weights decode-sized products read half the bytes (M=8: 118).
 - Without the kernels (no compiler): oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the pair torch.compile
   uses). A bfloat16 model on a CPU without native bf16 (no AVX512-BF16/AMX) has its weights
