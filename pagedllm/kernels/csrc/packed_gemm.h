@@ -3,12 +3,13 @@
 // a panel's k-th 16 outputs' weights are one 64-byte line and a panel streams sequentially.
 //
 // The microkernel keeps a 6 x 16 tile of y in 12 AVX2 registers; each k broadcasts 6 values of x
-// and loads two 8-wide vectors of the panel for 12 FMAs. Decode-sized products (M <= kMc: x fits
-// L2) go panel by panel, each panel read from memory once, front to back, in dynamically handed
-// out groups of panels. Larger ones are blocked as in GotoBLAS/BLIS: a K-block of a panel
-// (kc x 16) stays in L1 while the x rows of an M-block (mc x kc, in L2) pass by six at a time,
-// threads taking contiguous ranges of panels. Weights may be float32 or bfloat16 (widened on
-// load: bf16 -> f32 is exact).
+// and loads two 8-wide vectors of the panel for 12 FMAs. Decode-sized products (M <= kMc) go panel
+// by panel, each panel read from memory once, front to back (its first tile prefetching ahead),
+// in dynamically handed out groups of panels; x is re-read from cache for every panel (measured
+// still ahead of the blocked order with K = 8192). Larger products are blocked as in
+// GotoBLAS/BLIS: a K-block of a panel (kc x 16) stays in L1 while the x rows of an M-block
+// (mc x kc, in L2) pass by six at a time, threads taking contiguous ranges of panels. Weights may
+// be float32 or bfloat16 (widened on load: bf16 -> f32 is exact).
 #pragma once
 
 #include <omp.h>
@@ -149,7 +150,7 @@ void run(float* y, const float* x, int64_t M, int64_t K, const W* packed, int64_
 }  // namespace gemm
 
 // y = x w^T (+ bias): x [M, K] float32 (rows contiguous), packed [ceil(N / 16), K, 16] float32 or
-// bfloat16 (see pack_linear_weight), bias [N] float32 or None; returns y [M, N] float32.
+// bfloat16 (layers/cpu_gemm.py pack_panels), bias [N] float32 or None; returns y [M, N] float32.
 inline torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "packed_linear: contiguous float32 x [M, K] expected");
