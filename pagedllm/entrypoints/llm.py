@@ -23,9 +23,6 @@ class LLM:
         config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         self.config = config
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
-        from pagedllm.kernels import cpu as cpu_kernels
-
-        cpu_kernels.wait()  # offline runs wait for the optional C++ kernels (cached on disk after the first build)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -31,7 +31,6 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _module = None
 _tried = False
-_thread: threading.Thread | None = None
 
 
 def _cache_dir() -> str:
@@ -94,28 +93,11 @@ def load():
             _module = module
         except Exception as e:  # no compiler, failed build: fall back to the torch path
             detail = getattr(e, "stderr", "") or ""
-            logger.warning("CPU attention kernels unavailable (%s %s); using the pure-torch path", e, detail[-500:])
+            logger.warning("CPU kernels unavailable (%s %s); using the pure-torch path", e, detail[-500:])
             _module = None
         finally:
             _tried = True
         return _module
-
-
-def start_loading() -> None:
-    """Build/load in the background (the server must answer /health while this runs)."""
-    global _thread
-    with _lock:
-        if _tried or _thread is not None:
-            return
-        _thread = threading.Thread(target=load, name="pagedllm-cpu-kernels", daemon=True)
-        _thread.start()
-
-
-def wait() -> None:
-    """Block until a background load started by ``start_loading`` has finished (if any)."""
-    t = _thread
-    if t is not None:
-        t.join()
 
 
 def ready():

@@ -89,18 +89,18 @@ class Worker:
         load_weights(self.model, config.model)
         self.model.eval()
         if self.device.type == "cpu":
+            from pagedllm.kernels import cpu as cpu_kernels
             from pagedllm.layers.cpu_gemm import pack_linear_weights
 
+            # Built once per machine and cached on disk (`make` prebuilds them); the weights are
+            # packed for their GEMM, and every layer takes what they support (for_tensor).
+            cpu_kernels.load()
             pack_linear_weights(self.model, self.dtype)
             keep_freed_activations()  # after loading: the load's temporaries went back to the OS
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
         self.backend = get_attention_backend(self.device)
-        if self.device.type == "cpu":  # the kernels take what they support (kernels.cpu.for_tensor)
-            from pagedllm.kernels import cpu as cpu_kernels
-
-            cpu_kernels.start_loading()  # compiled once, cached on disk; used as soon as it is ready
         self.num_blocks = 0
         self.kv_cache: torch.Tensor | None = None
         self.runner: ModelRunner | None = None
