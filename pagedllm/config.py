@@ -5,6 +5,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Optional
 
+from pagedllm import envs
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -34,6 +36,12 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (no effect on CPU)
     served_model_name: Optional[str] = None
     max_waiting_requests: Optional[int] = None
+    # CPU settings (defaults may be overridden by the variables listed in envs.py).
+    cpu_kernels: bool = field(default_factory=envs.cpu_kernels_enabled)
+    kernel_cache_dir: str = field(default_factory=envs.kernel_cache_dir)
+    cpu_keep_freed_memory: bool = field(default_factory=envs.cpu_keep_freed_memory)
+    cpu_threads: Optional[int] = field(default_factory=envs.cpu_threads)
+    cpu_threads_bind: Optional[str] = field(default_factory=envs.cpu_threads_bind)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -58,6 +66,10 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        if self.cpu_threads_bind is not None:
+            cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size)  # raises if malformed
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local directory with config.json and safetensors weights: {self.model!r}")
 
@@ -80,3 +92,48 @@ def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> 
             )
         return config.max_num_batched_tokens
     return 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> [0, 1, 2, 3, 8, 10, 11] (Linux cpulist syntax)."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"cpu_threads_bind: {part!r} is not a CPU id or range (examples: 0-3, 0,2,4)")
+        a, b = int(lo), int(hi) if sep else int(lo)
+        if b < a:
+            raise ValueError(f"cpu_threads_bind: empty range {part!r}")
+        cpus.extend(range(a, b + 1))
+    return sorted(set(cpus))
+
+
+def cpu_bind_for_rank(bind: Optional[str], rank: int, world_size: int, available: Optional[list[int]] = None) -> Optional[list[int]]:
+    """The CPUs rank ``rank`` is bound to, or None for no binding.
+
+    ``bind`` as vLLM's VLLM_CPU_OMP_THREADS_BIND: ``"nobind"`` (or None): the OS schedules;
+    ``"auto"``: the process's allowed CPUs split evenly across the ranks, in order;
+    ``"0-3|4-7"``: an explicit CPU list per rank, ranks separated by ``|``.
+    """
+    if bind is None or bind == "nobind":
+        return None
+    if bind == "auto":
+        cpus = sorted(available if available is not None else _allowed_cpus())
+        share = len(cpus) // world_size
+        if share < 1:
+            raise ValueError(f"cpu_threads_bind=auto: {len(cpus)} CPUs cannot be split across {world_size} ranks")
+        return cpus[rank * share:(rank + 1) * share]
+    per_rank = bind.split("|")
+    if len(per_rank) != world_size:
+        raise ValueError(f"cpu_threads_bind {bind!r} names {len(per_rank)} CPU lists (separated by '|'), "
+                         f"but there are {world_size} tensor-parallel ranks")
+    lists = [parse_cpu_list(p) for p in per_rank]
+    return lists[rank]
+
+
+def _allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))

@@ -12,6 +12,7 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig, default_model_path
 
 _HELP = {
@@ -31,6 +32,15 @@ _HELP = {
     "tensor_parallel_size": "number of tensor parallel ranks",
     "served_model_name": "the model name clients use (default: the model path)",
     "max_waiting_requests": "reject new requests with 503 when this many are waiting (default: no limit)",
+    "cpu_kernels": "use pagedllm's C++ CPU kernels (built for this CPU on first use; env PAGEDLLM_DISABLE_CPU_KERNELS=1 "
+                   "turns the default off); --no-cpu-kernels runs the pure-torch paths",
+    "kernel_cache_dir": "where built CPU kernels are cached (default: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels)",
+    "cpu_keep_freed_memory": "let glibc malloc keep freed activations for reuse (faster steps; resident memory stays "
+                             "at its peak); env PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 turns the default off",
+    "cpu_threads": "torch threads per rank on CPU (default: all cores with one rank, cores / ranks with tensor "
+                   "parallelism, or the bound CPUs' count; env PAGEDLLM_THREADS_PER_RANK)",
+    "cpu_threads_bind": "bind each rank's threads to CPUs: nobind, auto (the allowed CPUs split evenly across "
+                        "ranks) or explicit lists per rank such as 0-3|4-7 (env PAGEDLLM_CPU_THREADS_BIND)",
 }
 _SKIP = {"model"}
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
@@ -188,7 +198,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.model = args.model or args.model_pos
         if not args.model and not args.served_model_name:  # the embedded default model
             args.served_model_name = os.path.basename(default_model_path())
-        args.api_key = args.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+        args.api_key = args.api_key or envs.api_key()
         _warm_engine_imports()
         from pagedllm.entrypoints.openai.api_server import run_server
 

@@ -39,7 +39,6 @@ def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank
         if local >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size needs a GPU per rank; only {torch.cuda.device_count()} visible")
         torch.cuda.set_device(local)
-    torch.set_num_threads(max(1, int(os.environ.get("PAGEDLLM_THREADS_PER_RANK", "0")) or max(1, (os.cpu_count() or 1) // world_size)))
     group = init_distributed(rank, world_size, device)
     worker = Worker(config, hf_config, max_model_len, max_num_batched_tokens)
     return worker, group

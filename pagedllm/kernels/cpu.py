@@ -20,6 +20,9 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from typing import Optional
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -33,19 +36,14 @@ _module = None
 _tried = False
 
 
-def _cache_dir() -> str:
-    base = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-    return os.path.join(base, "kernels")
-
-
-def _build(torch) -> str:
+def _build(torch, cache_dir: str) -> str:
     src = b""
     for name in sorted(os.listdir(_CSRC)):  # every header is part of the cache key
         with open(os.path.join(_CSRC, name), "rb") as f:
             src += name.encode() + f.read()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     key = hashlib.sha256(src + repr((_FLAGS, torch.__version__, sys.version, abi)).encode()).hexdigest()[:16]
-    out_dir = os.path.join(_cache_dir(), key)
+    out_dir = os.path.join(cache_dir, key)
     target = os.path.join(out_dir, _NAME + ".so")
     if os.path.exists(target):
         return target
@@ -72,8 +70,9 @@ def _build(torch) -> str:
     return target
 
 
-def load():
-    """Build (once per machine) and import the kernels; None when that is impossible."""
+def load(cache_dir: Optional[str] = None):
+    """Build (once per machine, cached under ``cache_dir``: EngineConfig.kernel_cache_dir) and
+    import the kernels; None when that is impossible."""
     global _module, _tried
     if _tried:
         return _module
@@ -81,11 +80,9 @@ def load():
         if _tried:
             return _module
         try:
-            if os.environ.get("PAGEDLLM_DISABLE_CPU_KERNELS") == "1":
-                return None
             import torch
 
-            path = _build(torch)
+            path = _build(torch, cache_dir or envs.kernel_cache_dir())
             loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
             spec = importlib.util.spec_from_loader(_NAME, loader)
             module = importlib.util.module_from_spec(spec)
@@ -119,4 +116,5 @@ def for_tensor(t):
 
 if __name__ == "__main__":  # `python -m pagedllm.kernels.cpu`: prebuild (make does this)
     logging.basicConfig(level=logging.INFO)
-    print("pagedllm CPU kernels:", "ready" if load() is not None else "unavailable (pure-torch fallback)")
+    ok = envs.cpu_kernels_enabled() and load() is not None
+    print("pagedllm CPU kernels:", "ready" if ok else "unavailable (pure-torch fallback)")

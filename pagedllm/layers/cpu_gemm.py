@@ -109,10 +109,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype) -> int:
     """Replace every packable module's ``weight`` (modules with ``packable_weight = True``) by its
-    packed form -- pagedllm's panels when the C++ kernels load (this waits for their build), else
-    oneDNN's -- and return how many were packed. A weight shared with another module (a tied LM
+    packed form -- pagedllm's panels when the C++ kernels are loaded (the worker loads them first
+    unless EngineConfig.cpu_kernels is off), else oneDNN's -- and return how many were packed. A weight shared with another module (a tied LM
     head shares the embedding table) gets its own packed copy, the original stays dense."""
-    if model_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.load() is not None:
+    if model_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.ready() is not None:
         pack = pack_panels
     else:
         compute = packed_compute_dtype(model_dtype)

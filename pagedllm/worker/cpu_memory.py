@@ -39,7 +39,7 @@ def cpu_kv_cache_memory(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
-def keep_freed_activations() -> bool:
+def keep_freed_activations(enabled: bool = True) -> bool:
     """Make glibc malloc keep freed memory for reuse instead of handing it back to the OS.
 
     torch allocates every activation with malloc. By default glibc serves blocks above a
@@ -52,12 +52,12 @@ def keep_freed_activations() -> bool:
 
     The cost: the process's resident memory stays at its peak instead of shrinking after it.
     Process-wide and idempotent; only glibc has mallopt (elsewhere this does nothing).
-    ``PAGEDLLM_CPU_KEEP_FREED_MEMORY=0`` turns it off. Returns whether it is in effect.
+    ``enabled=False`` (EngineConfig.cpu_keep_freed_memory) turns it off. Returns whether it is in effect.
     """
     global _tuned
     if _tuned:
         return True
-    if os.environ.get("PAGEDLLM_CPU_KEEP_FREED_MEMORY", "1") == "0":
+    if not enabled:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

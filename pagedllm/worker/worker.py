@@ -10,7 +10,9 @@ from pagedllm.attention.backend import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.models.loader import load_weights
 from pagedllm.models.registry import resolve_model_class
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
+from pagedllm.worker.cpu_threads import configure_cpu_threads
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -78,6 +80,9 @@ class Worker:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            tp = get_tp_group()
+            configure_cpu_threads(config, tp.rank, tp.world_size)
         model_cls = resolve_model_class(hf_config)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -94,9 +99,10 @@ class Worker:
 
             # Built once per machine and cached on disk (`make` prebuilds them); the weights are
             # packed for their GEMM, and every layer takes what they support (for_tensor).
-            cpu_kernels.load()
+            if config.cpu_kernels:
+                cpu_kernels.load(config.kernel_cache_dir)
             pack_linear_weights(self.model, self.dtype)
-            keep_freed_activations()  # after loading: the load's temporaries went back to the OS
+            keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)

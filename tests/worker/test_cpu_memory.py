@@ -1,5 +1,6 @@
 """The CPU worker's malloc setting: large activations come from the malloc heap (kept and reused
-after free) instead of a fresh mmap per allocation; PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 turns it off."""
+after free) instead of a fresh mmap per allocation; EngineConfig.cpu_keep_freed_memory=False (whose
+default PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 overrides) turns it off."""
 import subprocess
 import sys
 import textwrap
@@ -9,8 +10,9 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import torch
+    from pagedllm import envs
     from pagedllm.worker.cpu_memory import keep_freed_activations
-    on = keep_freed_activations()
+    on = keep_freed_activations(envs.cpu_keep_freed_memory())
     x = torch.empty(16 << 20)  # 64 MB: above glibc's largest mmap threshold
     addr = x.data_ptr()
     in_heap = False

@@ -1,0 +1,56 @@
+"""Every environment variable pagedllm reads, read here and nowhere else.
+
+Settings a user may want are EngineConfig fields with CLI flags; the variables below are only
+documented overrides of their defaults (a flag or an explicit argument always wins), plus the
+API key, which operators prefer to keep out of process listings.
+
+| variable                          | overrides the default of            |
+|-----------------------------------|-------------------------------------|
+| PAGEDLLM_CACHE_DIR                | EngineConfig.kernel_cache_dir       |
+| PAGEDLLM_DISABLE_CPU_KERNELS=1    | EngineConfig.cpu_kernels (-> False) |
+| PAGEDLLM_CPU_KEEP_FREED_MEMORY=0  | EngineConfig.cpu_keep_freed_memory  |
+| PAGEDLLM_THREADS_PER_RANK=N       | EngineConfig.cpu_threads            |
+| PAGEDLLM_CPU_THREADS_BIND=...     | EngineConfig.cpu_threads_bind       |
+| PAGEDLLM_API_KEY                  | ``pagedllm serve --api-key``        |
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+
+def _get(name: str) -> Optional[str]:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def kernel_cache_dir() -> str:
+    """Where built kernels are cached: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels."""
+    base = _get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+    return os.path.join(base, "kernels")
+
+
+def cpu_kernels_enabled() -> bool:
+    return _get("PAGEDLLM_DISABLE_CPU_KERNELS") != "1"
+
+
+def cpu_keep_freed_memory() -> bool:
+    return _get("PAGEDLLM_CPU_KEEP_FREED_MEMORY") != "0"
+
+
+def cpu_threads() -> Optional[int]:
+    value = _get("PAGEDLLM_THREADS_PER_RANK")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"PAGEDLLM_THREADS_PER_RANK must be an integer, got {value!r}") from None
+
+
+def cpu_threads_bind() -> Optional[str]:
+    return _get("PAGEDLLM_CPU_THREADS_BIND")
+
+
+def api_key() -> Optional[str]:
+    return _get("PAGEDLLM_API_KEY")
