@@ -4,7 +4,7 @@ KV cache layout (per layer): ``[2, num_blocks, block_size, num_kv_heads, head_di
 (index 0 = keys, 1 = values). A token's slot is ``block_id * block_size + offset``.
 
 The model runner builds one ``AttentionMetadata`` per step for the whole ragged batch; every
-attention layer reads it from the forward context (see ``forward_context.py``).
+attention layer reads it from the forward context (see ``attention/forward_context.py``); ``attention/selector.py`` picks the backend.
 """
 from __future__ import annotations
 
@@ -79,14 +79,3 @@ class AttentionBackend(Protocol):
     def make_impl(
         num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None
     ) -> AttentionImpl: ...
-
-
-def get_attention_backend(device: torch.device) -> type:
-    """Backend selection by device: CPU uses torch_native, CUDA uses Triton."""
-    if device.type == "cuda":
-        from pagedllm.attention.triton_attn import TritonAttentionBackend
-
-        return TritonAttentionBackend
-    from pagedllm.attention.torch_native import TorchNativeAttentionBackend
-
-    return TorchNativeAttentionBackend

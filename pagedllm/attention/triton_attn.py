@@ -34,7 +34,7 @@ Two kernels plus an optional reduction:
 
 Everything accumulates in fp32; inputs may be fp16/bf16/fp32 (fp32 dots use IEEE precision, not
 TF32). This module imports triton at the top; nothing imports it unless the device is CUDA (see
-``get_attention_backend``), except the tests which run it under ``TRITON_INTERPRET=1``.
+``attention.selector.get_attention_backend``), except the tests which run it under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
 

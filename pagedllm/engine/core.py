@@ -8,22 +8,9 @@ from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
+from pagedllm.models.config_json import load_hf_config
 
 logger = logging.getLogger(__name__)
-
-
-def load_hf_config(model_dir: str):
-    from pagedllm.models.config_json import load_config_json
-
-    light = load_config_json(model_dir)  # no transformers import (seconds) for supported architectures
-    if light is not None:
-        return light
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    except Exception as e:
-        raise ValueError(f"could not read a model config from {model_dir!r}: {e}") from e
 
 
 class EngineCore:

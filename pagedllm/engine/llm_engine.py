@@ -14,7 +14,8 @@ from typing import Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.engine.core import EngineCore, load_hf_config
+from pagedllm.engine.core import EngineCore
+from pagedllm.models.config_json import load_hf_config
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.outputs import RequestOutput

@@ -198,11 +198,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.model = args.model or args.model_pos
         if not args.model and not args.served_model_name:  # the embedded default model
             args.served_model_name = os.path.basename(default_model_path())
-        args.api_key = args.api_key or envs.api_key()
-        _warm_engine_imports()
-        from pagedllm.entrypoints.openai.api_server import run_server
+        config = engine_config_from_args(args)
+        if config.tensor_parallel_size > 1:
+            from pagedllm.executor.multiproc import launched_as_worker_rank, serve_as_worker_rank
 
-        return run_server(args)
+            if launched_as_worker_rank():  # torchrun rank > 0: no HTTP, just the model shard's steps
+                serve_as_worker_rank(config)
+                return 0
+        _warm_engine_imports()
+        from pagedllm.entrypoints.openai.api_server import ServerArgs, run_server
+
+        server_args = ServerArgs(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
+                                 log_level=args.log_level, access_log=args.access_log,
+                                 shutdown_timeout=args.shutdown_timeout, skip_tokenizer_init=args.skip_tokenizer_init)
+        return run_server(config, server_args, args.stop_requested)
     except ValueError as e:  # bad configuration: one clear line, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -199,7 +199,7 @@ def serve_as_worker_rank(config) -> None:
             -m pagedllm.entrypoints.cli serve MODEL --tensor-parallel-size 2
     """
     from pagedllm.config import resolve_max_model_len, resolve_max_num_batched_tokens
-    from pagedllm.engine.core import load_hf_config
+    from pagedllm.models.config_json import load_hf_config
 
     hf_config = load_hf_config(config.model)
     max_model_len = resolve_max_model_len(hf_config, config.max_model_len)

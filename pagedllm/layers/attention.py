@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from pagedllm.forward_context import get_attention_metadata
+from pagedllm.attention.forward_context import get_attention_metadata
 
 
 class Attention(nn.Module):

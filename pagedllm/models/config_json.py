@@ -76,3 +76,17 @@ def load_config_json(model_dir: str) -> Optional[JsonConfig]:
     if "torch_dtype" not in raw and "dtype" in raw:
         values["torch_dtype"] = raw["dtype"]
     return JsonConfig(values)
+
+
+def load_hf_config(model_dir: str):
+    """The checkpoint's config: the light reader above for supported architectures (no
+    transformers import, which takes seconds), else ``transformers.AutoConfig``."""
+    light = load_config_json(model_dir)
+    if light is not None:
+        return light
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except Exception as e:
+        raise ValueError(f"could not read a model config from {model_dir!r}: {e}") from e

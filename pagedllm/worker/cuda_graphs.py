@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.forward_context import set_attention_metadata
+from pagedllm.attention.forward_context import set_attention_metadata
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
-from pagedllm.forward_context import set_attention_metadata
+from pagedllm.attention.forward_context import set_attention_metadata
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
 from pagedllm.worker.input_batch import CachedRequestState, build_block_table, build_sampling_metadata

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.attention.backend import get_attention_backend
+from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig
 from pagedllm.models.loader import load_weights
 from pagedllm.models.registry import resolve_model_class

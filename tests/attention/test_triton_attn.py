@@ -578,8 +578,8 @@ def test_decode_graph_runner_padded_static_buffers_match_eager(tmp_path):
     from pagedllm.attention.backend import AttentionMetadata
     from pagedllm.attention.triton_attn import TritonAttentionBackend
     from pagedllm.config import EngineConfig
-    from pagedllm.engine.core import load_hf_config
-    from pagedllm.forward_context import set_attention_metadata
+    from pagedllm.models.config_json import load_hf_config
+    from pagedllm.attention.forward_context import set_attention_metadata
     from pagedllm.worker.cuda_graphs import DecodeGraphRunner, capture_sizes
     from pagedllm.worker.worker import Worker
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: ``build_app(engine_or_config)`` and ``run_server(args)``.
+"""The OpenAI-compatible HTTP server: ``build_app(engine_or_config)`` and ``run_server(config, server_args)``.
 
 Given an EngineConfig, the app starts serving at once and builds the engine on a loader
 thread: /health answers 503 until the engine is ready, then 200. Every error is OpenAI-shaped
@@ -14,6 +14,7 @@ import secrets
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
@@ -296,17 +297,30 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     return app
 
 
-def run_server(args) -> int:
-    """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a graceful stop)."""
+@dataclass(frozen=True)
+class ServerArgs:
+    """The HTTP server's own settings (the engine's are the EngineConfig)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: Optional[str] = None
+    log_level: str = "info"
+    access_log: bool = False
+    shutdown_timeout: float = 30.0
+    skip_tokenizer_init: bool = False
+
+
+def run_server(config: EngineConfig, server_args: ServerArgs,
+               stop_requested: Callable[[], bool] = lambda: False) -> int:
+    """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a graceful stop).
+    ``stop_requested`` says whether a stop signal came before this function took over."""
     import signal
 
     import uvicorn
 
-    from pagedllm.entrypoints.cli import engine_config_from_args
-
     # A stop signal at any moment (even before uvicorn installs its own handlers, which it
     # restores and re-raises at exit) ends the server gracefully: exit code 0, never -15.
-    holder: dict[str, Any] = {"stop": bool(getattr(args, "stop_requested", lambda: False)())}
+    holder: dict[str, Any] = {"stop": bool(stop_requested())}
 
     def on_signal(sig, frame) -> None:
         holder["stop"] = True
@@ -315,15 +329,8 @@ def run_server(args) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    config = engine_config_from_args(args)
-    if config.tensor_parallel_size > 1:
-        from pagedllm.executor.multiproc import launched_as_worker_rank, serve_as_worker_rank
-
-        if launched_as_worker_rank():  # torchrun rank > 0: no HTTP, just the model shard's steps
-            serve_as_worker_rank(config)
-            return 0
-    state = ServerState(config, args.served_model_name, args.api_key,
-                        skip_tokenizer_init=getattr(args, "skip_tokenizer_init", False))
+    args = server_args
+    state = ServerState(config, None, args.api_key, skip_tokenizer_init=args.skip_tokenizer_init)
     state.start_loading()  # overlaps model loading with the web stack's start-up
     app = build_app(config, state=state)
     server = uvicorn.Server(uvicorn.Config(
