@@ -4,7 +4,7 @@ Heavy modules (torch, transformers) load lazily so ``pagedllm serve`` starts fas
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from pagedllm.version import __version__
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
 
 

@@ -180,9 +180,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.version:
-        import pagedllm
+        from pagedllm.version import __version__
 
-        print(pagedllm.__version__)
+        print(__version__)
         return 0
     if args.command is None:
         parser.print_help()

@@ -49,5 +49,7 @@ def test_cpu_gemm_benchmark_smoke(tmp_path):
     assert r.returncode == 0, r.stderr
     rows = json.loads(out.read_text())["results"]
     assert [row["rows"] for row in rows] == [1, 7, 100]
+    # It ran and wrote a figure per form; never a threshold on a timing (a stall can round one to 0).
     for row in rows:
-        assert row["panels float32 GFLOP/s"] > 0 and row["panels bf16 weights GFLOP/s"] > 0
+        figures = {k: v for k, v in row.items() if "GFLOP/s" in k}
+        assert figures and all(isinstance(v, (int, float)) and v >= 0 for v in figures.values()), row

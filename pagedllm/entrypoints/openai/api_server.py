@@ -22,7 +22,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -30,6 +29,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
+from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -206,7 +206,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
             log_task.cancel()
             await asyncio.to_thread(state.shutdown)
 
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=lifespan, docs_url=None,
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.server = state
     if state.api_key:
@@ -277,7 +277,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
 
     @app.get("/version")
     async def version():
-        return _json(VersionResponse(version=pagedllm.__version__))
+        return _json(VersionResponse(version=__version__))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
