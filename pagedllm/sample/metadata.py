@@ -1,10 +1,18 @@
-"""SamplingMetadata: one step's sampling parameters as batched tensors (built once per step)."""
+"""SamplingMetadata: one step's sampling parameters as batched tensors, and its builder.
+
+``build_sampling_metadata`` runs once per step on the sampling rank, over the rows that sample.
+It loops over requests (and over a request's logit-bias entries / stop ids), never over the
+vocabulary or the generated tokens one at a time; parameters nobody uses stay None, so an
+all-greedy batch builds no tensor at all.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol, Sequence
 
 import torch
+
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -29,3 +37,126 @@ class SamplingMetadata:
     output_counts: Optional[torch.Tensor]  # [B, V] counts of generated tokens
     prompt_mask: Optional[torch.Tensor]  # [B, V] bool: token appears in the prompt
     max_num_logprobs: Optional[int]  # None: no request wants logprobs
+
+
+class SamplingRowState(Protocol):
+    """What the builder reads from a request's state (the worker's CachedRequestState)."""
+
+    token_ids: list[int]  # prompt then output tokens
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: Optional[torch.Generator]  # the request's own stream when it is seeded
+    prompt_token_mask: Optional[torch.Tensor]  # [V] bool, cached here on first use (penalties)
+
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+def build_sampling_metadata(
+    states: Sequence[SamplingRowState], vocab_size: int, device: torch.device
+) -> SamplingMetadata:
+    """One SamplingMetadata for the rows being sampled this step (in row order)."""
+    sps = [s.sampling_params for s in states]
+    greedy = [sp.is_greedy for sp in sps]
+    all_greedy = all(greedy)
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    temperature = top_k = top_p = min_p = greedy_rows = None
+    generators: dict[int, torch.Generator] = {}
+    if not all_greedy:
+        if any(greedy):
+            greedy_rows = tensor(greedy, torch.bool)
+        temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps)]
+        if any(t != 1.0 for t in temps):
+            temperature = tensor(temps, torch.float32)
+        if any(sp.top_k > 0 for sp in sps):
+            top_k = tensor([min(sp.top_k, vocab_size) if sp.top_k > 0 else vocab_size for sp in sps], torch.long)
+        if any(sp.top_p < 1.0 for sp in sps):
+            top_p = tensor([sp.top_p for sp in sps], torch.float32)
+        if any(sp.min_p > 0.0 for sp in sps):
+            min_p = tensor([sp.min_p for sp in sps], torch.float32)
+        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None and not greedy[i]}
+
+    bias_rows, bias_cols, bias_vals = _logit_bias(sps, vocab_size, tensor)
+    ban_rows, ban_cols = _min_tokens_bans(states, vocab_size, tensor)
+    presence, frequency, repetition, output_counts, prompt_mask = _penalties(states, vocab_size, device, tensor)
+
+    ks = [sp.logprobs for sp in sps if sp.logprobs is not None]
+    return SamplingMetadata(
+        all_greedy=all_greedy,
+        greedy_rows=greedy_rows,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        generators=generators,
+        bias_rows=bias_rows,
+        bias_cols=bias_cols,
+        bias_vals=bias_vals,
+        ban_rows=ban_rows,
+        ban_cols=ban_cols,
+        presence=presence,
+        frequency=frequency,
+        repetition=repetition,
+        output_counts=output_counts,
+        prompt_mask=prompt_mask,
+        max_num_logprobs=max(ks) if ks else None,
+    )
+
+
+def _logit_bias(sps, vocab_size, tensor):
+    """(rows, tokens, biases) of every logit_bias entry inside the vocabulary, or three Nones."""
+    rows, cols, vals = [], [], []
+    for i, sp in enumerate(sps):
+        if sp.logit_bias:
+            for tok, b in sp.logit_bias.items():
+                if tok < vocab_size:
+                    rows.append(i)
+                    cols.append(tok)
+                    vals.append(b)
+    if not rows:
+        return None, None, None
+    return tensor(rows, torch.long), tensor(cols, torch.long), tensor(vals, torch.float32)
+
+
+def _min_tokens_bans(states, vocab_size, tensor):
+    """(rows, tokens) of the stop tokens forbidden until a request has its min_tokens, or Nones."""
+    rows, cols = [], []
+    for i, s in enumerate(states):
+        sp = s.sampling_params
+        if sp.min_tokens and s.num_output_tokens < sp.min_tokens:
+            for tok in sp._all_stop_token_ids:
+                if tok < vocab_size:
+                    rows.append(i)
+                    cols.append(tok)
+    if not rows:
+        return None, None
+    return tensor(rows, torch.long), tensor(cols, torch.long)
+
+
+def _penalties(states, vocab_size, device, tensor):
+    """(presence, frequency, repetition, output_counts [B, V], prompt_mask [B, V]); Nones if unused."""
+    sps = [s.sampling_params for s in states]
+    if not any(sp.uses_penalties for sp in sps):
+        return None, None, None, None, None
+    B = len(states)
+    output_counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
+    prompt_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+    for i, s in enumerate(states):
+        if not s.sampling_params.uses_penalties:
+            continue
+        out = s.token_ids[s.num_prompt_tokens :]
+        if out:
+            ids = torch.tensor(out, dtype=torch.long, device=device)
+            output_counts[i].index_add_(0, ids, torch.ones(len(out), device=device))
+        if s.prompt_token_mask is None:
+            s.prompt_token_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            s.prompt_token_mask[torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=device)] = True
+        prompt_mask[i] = s.prompt_token_mask
+    presence = tensor([sp.presence_penalty for sp in sps], torch.float32) if any(sp.presence_penalty for sp in sps) else None
+    frequency = tensor([sp.frequency_penalty for sp in sps], torch.float32) if any(sp.frequency_penalty for sp in sps) else None
+    repetition = (tensor([sp.repetition_penalty for sp in sps], torch.float32)
+                  if any(sp.repetition_penalty != 1.0 for sp in sps) else None)
+    return presence, frequency, repetition, output_counts, prompt_mask

@@ -1,4 +1,5 @@
-"""Worker-side per-request state, kept across steps so the scheduler only sends diffs."""
+"""Worker-side per-request state, kept across steps so the scheduler only sends diffs, and the
+flat batch one step builds from it (StepInputs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,12 +8,14 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
 class CachedRequestState:
+    """One request as this rank knows it (it satisfies sample.metadata.SamplingRowState)."""
+
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
@@ -39,97 +42,22 @@ def build_block_table(states: list[CachedRequestState]) -> np.ndarray:
     return table
 
 
-def build_sampling_metadata(
-    states: list[CachedRequestState], vocab_size: int, device: torch.device
-) -> SamplingMetadata:
-    """One SamplingMetadata for the rows being sampled this step (in row order)."""
-    sps = [s.sampling_params for s in states]
-    B = len(sps)
-    greedy = [sp.is_greedy for sp in sps]
-    all_greedy = all(greedy)
+@dataclass(slots=True)
+class StepInputs:
+    """One step's ragged batch, built once: host arrays (numpy, for bookkeeping) and device tensors."""
 
-    def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
+    req_ids: list[str]  # batch order (the scheduler's)
+    states: list[CachedRequestState]
+    starts: np.ndarray  # [R] int64: num_computed_tokens before this step
+    num_scheduled: np.ndarray  # [R] int64
+    seq_lens: np.ndarray  # [R] int64: starts + num_scheduled
+    query_start_loc: np.ndarray  # [R + 1] int64: row offsets in the flat token batch
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    attn_metadata: AttentionMetadata
+    sample_rows: np.ndarray  # batch rows that produce a token this step (not a partial prefill chunk)
+    logits_indices: torch.Tensor  # [S] long: flat index of each sampling row's last token
 
-    temperature = top_k = top_p = min_p = greedy_rows = None
-    generators: dict[int, torch.Generator] = {}
-    if not all_greedy:
-        if any(greedy):
-            greedy_rows = tensor(greedy, torch.bool)
-        temps = [1.0 if g else sp.temperature for g, sp in zip(greedy, sps)]
-        if any(t != 1.0 for t in temps):
-            temperature = tensor(temps, torch.float32)
-        if any(sp.top_k > 0 for sp in sps):
-            top_k = tensor([min(sp.top_k, vocab_size) if sp.top_k > 0 else vocab_size for sp in sps], torch.long)
-        if any(sp.top_p < 1.0 for sp in sps):
-            top_p = tensor([sp.top_p for sp in sps], torch.float32)
-        if any(sp.min_p > 0.0 for sp in sps):
-            min_p = tensor([sp.min_p for sp in sps], torch.float32)
-        generators = {i: s.generator for i, s in enumerate(states) if s.generator is not None and not greedy[i]}
-
-    bias_rows = bias_cols = bias_vals = None
-    rows, cols, vals = [], [], []
-    for i, sp in enumerate(sps):
-        if sp.logit_bias:
-            for tok, b in sp.logit_bias.items():
-                if tok < vocab_size:
-                    rows.append(i)
-                    cols.append(tok)
-                    vals.append(b)
-    if rows:
-        bias_rows, bias_cols, bias_vals = tensor(rows, torch.long), tensor(cols, torch.long), tensor(vals, torch.float32)
-
-    ban_rows = ban_cols = None
-    rows, cols = [], []
-    for i, (s, sp) in enumerate(zip(states, sps)):
-        if sp.min_tokens and s.num_output_tokens < sp.min_tokens:
-            for tok in sp._all_stop_token_ids:
-                if tok < vocab_size:
-                    rows.append(i)
-                    cols.append(tok)
-    if rows:
-        ban_rows, ban_cols = tensor(rows, torch.long), tensor(cols, torch.long)
-
-    presence = frequency = repetition = output_counts = prompt_mask = None
-    if any(sp.uses_penalties for sp in sps):
-        output_counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
-        prompt_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
-        for i, s in enumerate(states):
-            if not s.sampling_params.uses_penalties:
-                continue
-            out = s.token_ids[s.num_prompt_tokens :]
-            if out:
-                ids = torch.tensor(out, dtype=torch.long, device=device)
-                output_counts[i].index_add_(0, ids, torch.ones(len(out), device=device))
-            if s.prompt_token_mask is None:
-                s.prompt_token_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-                s.prompt_token_mask[torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=device)] = True
-            prompt_mask[i] = s.prompt_token_mask
-        if any(sp.presence_penalty for sp in sps):
-            presence = tensor([sp.presence_penalty for sp in sps], torch.float32)
-        if any(sp.frequency_penalty for sp in sps):
-            frequency = tensor([sp.frequency_penalty for sp in sps], torch.float32)
-        if any(sp.repetition_penalty != 1.0 for sp in sps):
-            repetition = tensor([sp.repetition_penalty for sp in sps], torch.float32)
-
-    ks = [sp.logprobs for sp in sps if sp.logprobs is not None]
-    return SamplingMetadata(
-        all_greedy=all_greedy,
-        greedy_rows=greedy_rows,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        generators=generators,
-        bias_rows=bias_rows,
-        bias_cols=bias_cols,
-        bias_vals=bias_vals,
-        ban_rows=ban_rows,
-        ban_cols=ban_cols,
-        presence=presence,
-        frequency=frequency,
-        repetition=repetition,
-        output_counts=output_counts,
-        prompt_mask=prompt_mask,
-        max_num_logprobs=max(ks) if ks else None,
-    )
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])

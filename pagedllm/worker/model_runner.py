@@ -1,9 +1,19 @@
 """ModelRunner: SchedulerOutput -> one flat forward over the ragged batch -> sampled tokens.
 
-Per step: apply the scheduler's diffs to the persistent request states, build the batch tensors
-once (input ids, positions, slot mapping, block table, query_start_loc, seq_lens, logits
-indices) with numpy, run ONE forward, compute logits only for rows that sample, sample, and
-bring the sampled ids to the host with one sync.
+One step, in named parts (``execute``):
+ 1. apply the scheduler's diffs to the persistent request states;
+ 2. prepare inputs: the batch tensors, built once with numpy (input ids, positions, slot
+    mapping, block table, query_start_loc, seq_lens, logits indices) and AttentionMetadata;
+ 3. forward: ONE pass over the ragged batch;
+ 4. sample: logits only for the rows that sample; the sampled ids reach the host with the
+    step's one device->host sync;
+ 5. update states: append the sampled ids and advance num_computed_tokens.
+
+Under tensor parallelism every rank runs every part (the forward and the LM head are
+collectives) but only rank 0 samples: it broadcasts the sampled ids, so every rank appends the
+same tokens and keeps identical request states, and every rank returns the same request ids
+and sampled ids. Logprobs (sampled and prompt) are rank 0's alone: the engine reads rank 0's
+output, ranks > 0 drop theirs. Seeded generators likewise live on rank 0 only.
 """
 from __future__ import annotations
 
@@ -16,8 +26,9 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.attention.forward_context import set_attention_metadata
 from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
-from pagedllm.worker.input_batch import CachedRequestState, build_block_table, build_sampling_metadata
+from pagedllm.worker.input_batch import CachedRequestState, StepInputs, build_block_table
 
 
 class ModelRunner:
@@ -26,16 +37,30 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
-        self.sampler = Sampler(seed, device)
+        self.tp = get_tp_group()  # fixed at construction: another engine in the process may differ
+        self.is_sampler = self.tp.rank == 0  # the one rank that samples and computes logprobs
+        self.sampler = Sampler(seed, device) if self.is_sampler else None
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded generators outlive preemption (the worker forgets a preempted request's state,
         # but its random stream must continue where it stopped).
         self.generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
-        self.tp = get_tp_group()  # fixed at construction: another engine in the process may differ
         self.graph_runner = None  # a DecodeGraphRunner on CUDA unless enforce_eager (set by the worker)
 
-    # ---- state diffs ------------------------------------------------------------------------
+    # ---- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diffs(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [])
+        inputs = self._prepare_inputs(so)
+        hidden = self._forward(inputs)
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)  # before the states grow
+        sampled, logprobs = self._sample(inputs, hidden)
+        sampled_lists = self._update_states(inputs, sampled)
+        return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs)
+
+    # ---- 1. state diffs ---------------------------------------------------------------------
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
@@ -44,7 +69,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for nr in so.scheduled_new_reqs:
             gen = self.generators.get(nr.req_id)
-            if gen is None and nr.sampling_params.seed is not None:
+            if gen is None and nr.sampling_params.seed is not None and self.is_sampler:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(nr.sampling_params.seed)
                 self.generators[nr.req_id] = gen
@@ -62,12 +87,8 @@ class ModelRunner:
             st.block_ids.extend(cr.new_block_ids)
             st.num_computed_tokens = cr.num_computed_tokens
 
-    # ---- the step ---------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._apply_diffs(so)
-        if so.is_empty:
-            return ModelRunnerOutput([], [])
+    # ---- 2. prepare inputs ------------------------------------------------------------------
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         n_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -88,68 +109,98 @@ class ModelRunner:
 
         # Rows that end at the request's last known token produce a sample.
         num_tokens_now = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        sample_mask = seq_lens >= num_tokens_now
-        sample_idx = np.nonzero(sample_mask)[0]
-        logits_indices = qsl[1:][sample_idx] - 1
+        sample_rows = np.nonzero(seq_lens >= num_tokens_now)[0]
+        logits_indices = qsl[1:][sample_rows] - 1
 
         dev = self.device
-        md = AttentionMetadata.from_host(qsl, seq_lens, block_table, slots, dev)
-        ids_t = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos_t = torch.from_numpy(positions).to(dev)
+        return StepInputs(
+            req_ids=req_ids,
+            states=states,
+            starts=starts,
+            num_scheduled=n_sched,
+            seq_lens=seq_lens,
+            query_start_loc=qsl,
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
+            attn_metadata=AttentionMetadata.from_host(qsl, seq_lens, block_table, slots, dev),
+            sample_rows=sample_rows,
+            logits_indices=torch.from_numpy(logits_indices).to(dev),
+        )
+
+    # ---- 3. forward ------------------------------------------------------------------------
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states [T, H] of every scheduled token."""
+        md = inputs.attn_metadata
+        total = inputs.num_tokens
         graphs = self.graph_runner
-        if graphs is not None and total == len(req_ids) and total <= graphs.max_batch:  # decode-only
-            hidden = graphs.run(ids_t, pos_t, md.slot_mapping, md.seq_lens, md.block_table)
+        if graphs is not None and total == len(inputs.req_ids) and total <= graphs.max_batch:  # decode-only
+            hidden = graphs.run(inputs.input_ids, inputs.positions, md.slot_mapping, md.seq_lens, md.block_table)
         else:
             with set_attention_metadata(md):
-                hidden = self.model(ids_t, pos_t)
+                hidden = self.model(inputs.input_ids, inputs.positions)
         self.num_forward_tokens += total
+        return hidden
 
-        prompt_lp = self._prompt_logprobs(states, req_ids, starts, n_sched, qsl, hidden)
-
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+    # ---- 4. sample -------------------------------------------------------------------------
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[list[int], dict[str, Logprobs]]:
+        """(sampled id per sampling row, logprobs by request id). Rank 0 samples; with tensor
+        parallelism it broadcasts the ids, and the logprobs stay empty on the other ranks."""
+        rows = inputs.sample_rows
+        if not len(rows):
+            return [], {}
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # a collective under TP: every rank
+        sample_states = [inputs.states[i] for i in rows]
+        out: Optional[SamplerOutput] = None
+        if self.is_sampler:
+            out = self.sampler(logits, build_sampling_metadata(sample_states, self.vocab_size, self.device))
+            ids = out.sampled
+        else:
+            ids = torch.empty(len(rows), dtype=torch.long)
+        if self.tp.world_size > 1:  # sampled once on rank 0; every rank appends the same tokens
+            ids = ids.cpu()
+            torch.distributed.broadcast(ids, src=0, group=self.tp.cpu_group)
+        sampled = ids.tolist()  # the step's one device->host sync
+        if out is None or out.logprob_ids is None:
+            return sampled, {}
+        ids_l, vals_l, ranks_l = out.logprob_ids.tolist(), out.logprob_vals.tolist(), out.sampled_ranks.tolist()
         logprobs: dict[str, Logprobs] = {}
-        if len(sample_idx):
-            sample_states = [states[i] for i in sample_idx]
-            logits = self.model.compute_logits(hidden[torch.from_numpy(logits_indices).to(dev)])
-            tp = self.tp
-            if tp.rank == 0:
-                smd = build_sampling_metadata(sample_states, self.vocab_size, dev)
-                out = self.sampler(logits, smd)
-            else:
-                out = SamplerOutput(torch.empty(len(sample_idx), dtype=torch.long), None, None, None)
-            if tp.world_size > 1:  # sampled once on rank 0; every rank appends the same tokens
-                ids_cpu = out.sampled.cpu()
-                torch.distributed.broadcast(ids_cpu, src=0, group=tp.cpu_group)
-                out.sampled = ids_cpu
-            sampled = out.sampled.tolist()  # the step's one device->host sync
-            if out.logprob_ids is not None:
-                ids_l, vals_l, ranks_l = out.logprob_ids.tolist(), out.logprob_vals.tolist(), out.sampled_ranks.tolist()
-            for j, i in enumerate(sample_idx.tolist()):
-                tok = sampled[j]
-                st = states[i]
-                st.token_ids.append(tok)
-                sampled_lists[i] = [tok]
-                k = st.sampling_params.logprobs
-                if k is not None:
-                    logprobs[st.req_id] = Logprobs([ids_l[j][: 1 + k]], [vals_l[j][: 1 + k]], [ranks_l[j]])
-        for i, st in enumerate(states):
-            st.num_computed_tokens = int(seq_lens[i])
-        return ModelRunnerOutput(req_ids, sampled_lists, logprobs, prompt_lp)
+        for j, st in enumerate(sample_states):
+            k = st.sampling_params.logprobs
+            if k is not None:
+                logprobs[st.req_id] = Logprobs([ids_l[j][: 1 + k]], [vals_l[j][: 1 + k]], [ranks_l[j]])
+        return sampled, logprobs
 
-    def _prompt_logprobs(self, states, req_ids, starts, n_sched, qsl, hidden) -> dict[str, Logprobs]:
-        """Logprobs of prompt tokens 1..P-1 covered by this step's chunk (position p predicts p+1)."""
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, Logprobs]:
+        """Logprobs of prompt tokens 1..P-1 covered by this step's chunk (position p predicts p+1).
+        Every rank computes the logits (a collective under TP); only rank 0 builds the table."""
         out: dict[str, Logprobs] = {}
-        for i, st in enumerate(states):
+        qsl = inputs.query_start_loc
+        for i, st in enumerate(inputs.states):
             k = st.sampling_params.prompt_logprobs
             if k is None or st.num_output_tokens > 0:
                 continue
-            a = int(starts[i])
-            b = min(a + int(n_sched[i]), st.num_prompt_tokens - 1)
+            a = int(inputs.starts[i])
+            b = min(a + int(inputs.num_scheduled[i]), st.num_prompt_tokens - 1)
             if b <= a:
                 continue
-            rows = hidden[int(qsl[i]) : int(qsl[i]) + (b - a)]
-            lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            logits = self.model.compute_logits(hidden[int(qsl[i]) : int(qsl[i]) + (b - a)])
+            if not self.is_sampler:
+                continue
+            lp = torch.log_softmax(logits.float(), dim=-1)
             targets = torch.tensor(st.token_ids[a + 1 : b + 1], dtype=torch.long, device=self.device)
             ids, vals, ranks = compute_logprob_table(lp, targets, k)
             out[st.req_id] = Logprobs(ids.tolist(), vals.tolist(), ranks.tolist(), start=a)
         return out
+
+    # ---- 5. update states ------------------------------------------------------------------
+    @staticmethod
+    def _update_states(inputs: StepInputs, sampled: list[int]) -> list[list[int]]:
+        """Append the sampled ids, advance num_computed_tokens; the sampled ids per batch row."""
+        sampled_lists: list[list[int]] = [[] for _ in inputs.req_ids]
+        states = inputs.states
+        for tok, i in zip(sampled, inputs.sample_rows.tolist()):
+            states[i].token_ids.append(tok)
+            sampled_lists[i] = [tok]
+        for st, n in zip(states, inputs.seq_lens.tolist()):
+            st.num_computed_tokens = n
+        return sampled_lists

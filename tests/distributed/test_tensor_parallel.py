@@ -1,5 +1,6 @@
-"""Tensor parallelism on CPU with gloo: 2 ranks give the same greedy tokens as 1, with half the
-weights per rank; bad sizes fail clearly; a dead rank fails the engine fast."""
+"""Tensor parallelism on CPU with gloo: 2 ranks give the same tokens (greedy and seeded) and
+logprobs as 1, with half the weights per rank; bad sizes fail clearly; a dead rank fails the
+engine fast."""
 import os
 import signal
 import time
@@ -15,7 +16,8 @@ SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = random_prompts((1, 9, 40, 130, 260), seed=11)
 
 
-def greedy(path, tp, prompts=PROMPTS, sp=SP, **kw):
+def generate(path, tp, prompts=PROMPTS, sp=SP, **kw):
+    """(RequestOutputs, stats, weight bytes per rank) of one engine; asserts no block leaked."""
     kw.setdefault("kv_cache_memory", 16 << 20)
     llm = LLM(model=path, dtype="float32", tensor_parallel_size=tp, **kw)
     try:
@@ -25,6 +27,11 @@ def greedy(path, tp, prompts=PROMPTS, sp=SP, **kw):
     finally:
         llm.engine.shutdown()
     assert stats.num_free_blocks == stats.num_total_blocks
+    return outs, stats, weights
+
+
+def greedy(path, tp, prompts=PROMPTS, sp=SP, **kw):
+    outs, stats, weights = generate(path, tp, prompts, sp, **kw)
     return [o.outputs[0].token_ids for o in outs], stats, weights
 
 
@@ -54,6 +61,47 @@ def test_tp_replicates_kv_heads_when_fewer_than_ranks(make_ckpt):
     one, _, _ = greedy(path, 1)
     two, _, _ = greedy(path, 2)
     assert two == one
+
+
+def _assert_logprobs_close(a, b):
+    """Two SampleLogprobs/PromptLogprobs lists: same token ids and ranks, values within tolerance."""
+    assert (a is None) == (b is None)
+    if a is None:
+        return
+    assert len(a) == len(b)
+    for pa, pb in zip(a, b):
+        assert (pa is None) == (pb is None)
+        if pa is None:
+            continue
+        assert list(pa) == list(pb)
+        for tok in pa:
+            assert pa[tok].rank == pb[tok].rank
+            assert pa[tok].logprob == pytest.approx(pb[tok].logprob, abs=1e-4)
+
+
+def test_tp2_logprobs_and_seeded_sampling_match_tp1(make_ckpt):
+    """logprobs, prompt_logprobs (across prefill chunks), n>1 and seeded random sampling: rank 0
+    samples and every rank keeps the same request state, so TP=2 reproduces TP=1."""
+    path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
+    prompts = random_prompts((5, 40, 90, 12), seed=13)
+    sps = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, logprobs=0),
+        SamplingParams(temperature=1.0, top_k=40, seed=7, n=2, max_tokens=8, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=8, ignore_eos=True, prompt_logprobs=1),
+    ]
+    # a 32-token budget splits the 40- and 90-token prompts (and their prompt logprobs) into chunks
+    one, _, _ = generate(path, 1, prompts, sps, max_num_batched_tokens=32)
+    two, _, _ = generate(path, 2, prompts, sps, max_num_batched_tokens=32)
+    assert [len(o.outputs) for o in two] == [1, 1, 2, 1]
+    for o1, o2 in zip(one, two):
+        _assert_logprobs_close(o1.prompt_logprobs, o2.prompt_logprobs)
+        for c1, c2 in zip(o1.outputs, o2.outputs):
+            assert c2.token_ids == c1.token_ids
+            _assert_logprobs_close(c1.logprobs, c2.logprobs)
+    assert one[1].prompt_logprobs is not None and one[3].prompt_logprobs is not None
+    assert all(c.logprobs is not None for c in two[2].outputs)
+    assert two[2].outputs[0].token_ids != two[2].outputs[1].token_ids  # n=2 samples differ
 
 
 def test_bad_tp_size_is_a_clear_error(make_ckpt):

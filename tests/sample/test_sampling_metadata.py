@@ -1,0 +1,65 @@
+"""build_sampling_metadata: unused parameters stay None, rows keep their order, seeded rows get
+their generator, the prompt mask is cached on the state."""
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sampling_params import SamplingParams
+
+V = 32
+
+
+@dataclass
+class Row:  # the fields SamplingRowState names, nothing from worker/
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    generator: Optional[torch.Generator] = None
+    prompt_token_mask: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+def build(rows):
+    return build_sampling_metadata(rows, V, torch.device("cpu"))
+
+
+def test_all_greedy_builds_no_tensor():
+    md = build([Row([1, 2, 3], 3, SamplingParams(temperature=0)), Row([4, 5], 2, SamplingParams(temperature=0))])
+    assert md.all_greedy and md.max_num_logprobs is None and md.generators == {}
+    assert all(getattr(md, f) is None for f in ("greedy_rows", "temperature", "top_k", "top_p", "min_p", "bias_rows",
+                                                "ban_rows", "presence", "frequency", "repetition", "output_counts"))
+
+
+def test_mixed_rows_in_order():
+    gen = torch.Generator()
+    rows = [
+        Row([1, 2], 2, SamplingParams(temperature=0, logprobs=2)),
+        Row([3, 4, 7], 2, SamplingParams(temperature=0.5, top_k=100, top_p=0.9, seed=1, logprobs=4), generator=gen),
+        Row([5], 1, SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=[9], logit_bias={6: 2.0, 99: 1.0})),
+    ]
+    md = build(rows)
+    assert not md.all_greedy
+    assert md.greedy_rows.tolist() == [True, False, False]
+    assert md.temperature.tolist() == [1.0, 0.5, 1.0]
+    assert md.top_k.tolist() == [V, V, V]  # top_k above the vocabulary is the whole vocabulary
+    assert md.top_p.tolist() == [1.0, 0.8999999761581421, 1.0]
+    assert md.generators == {1: gen}
+    assert list(zip(md.bias_rows.tolist(), md.bias_cols.tolist(), md.bias_vals.tolist())) == [(2, 6, 2.0)]
+    assert (2, 9) in list(zip(md.ban_rows.tolist(), md.ban_cols.tolist()))
+    assert md.max_num_logprobs == 4
+
+
+def test_penalties_count_outputs_and_cache_prompt_mask():
+    row = Row([3, 4, 5, 5, 7], 3, SamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2))
+    plain = Row([1], 1, SamplingParams(temperature=1.0))
+    md = build([row, plain])
+    assert md.output_counts[0, 5].item() == 1 and md.output_counts[0, 7].item() == 1
+    assert md.output_counts[1].sum().item() == 0
+    assert md.prompt_mask[0].nonzero().flatten().tolist() == [3, 4, 5]
+    assert md.presence is None and md.frequency.tolist() == [0.5, 0.0]
+    assert row.prompt_token_mask is not None and plain.prompt_token_mask is None
