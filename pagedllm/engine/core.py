@@ -8,6 +8,7 @@ from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
+from pagedllm.executor.base import Executor
 from pagedllm.models.config_json import load_hf_config
 
 logger = logging.getLogger(__name__)
@@ -19,7 +20,7 @@ class EngineCore:
         self.hf_config = hf_config if hf_config is not None else load_hf_config(config.model)
         self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.max_model_len)
-        self.executor = self._make_executor()
+        self.executor: Executor = self._make_executor()
         self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(
             max_num_seqs=config.max_num_seqs,
@@ -29,7 +30,7 @@ class EngineCore:
         )
         self.scheduler = Scheduler(limits, self.kv_cache_manager)
 
-    def _make_executor(self):
+    def _make_executor(self) -> Executor:
         args = (self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
         if self.config.tensor_parallel_size > 1:
             from pagedllm.executor.multiproc import MultiprocExecutor

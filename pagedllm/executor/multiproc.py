@@ -2,10 +2,12 @@
 
 Rank 0 is the driver (this process): the scheduler runs once, here. Each step, the
 SchedulerOutput is broadcast (pickled, over gloo) to every rank; all ranks run the forward with
-their weight shards and KV heads; rank 0 samples on the gathered logits and broadcasts the
-sampled ids so every rank's request state stays identical.
+their weight shards and KV heads; rank 0 samples on the gathered logits (and computes any
+logprobs) and broadcasts the sampled ids so every rank's request state stays identical.
+``execute`` returns rank 0's output; the other ranks' outputs are dropped.
 
-Ranks 1..N-1 are spawned here for a single machine. Under ``torchrun`` (multi-node) the launcher
+``MultiprocExecutor`` is an ``executor.base.Executor``; ranks > 0 have no executor, only a
+worker. Ranks 1..N-1 are spawned here for a single machine. Under ``torchrun`` (multi-node) the launcher
 starts them instead: they call ``run_worker_rank`` (``pagedllm serve`` does this for RANK > 0).
 """
 from __future__ import annotations
@@ -79,6 +81,9 @@ def _spawned_main(rank, world_size, port, args) -> None:
 
 
 class MultiprocExecutor:
+    num_blocks: int
+    weight_bytes_per_rank: list[int]
+
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
         import torch.multiprocessing as mp
 

@@ -1,10 +1,11 @@
-"""UniprocExecutor: the single worker lives in the engine's own process."""
+"""UniprocExecutor: the single worker lives in the engine's own process (an executor.base.Executor)."""
 from __future__ import annotations
 
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 
 
 class UniprocExecutor:
+    num_blocks: int
     is_dead = False  # an exception in the in-process worker leaves it usable for other requests
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:

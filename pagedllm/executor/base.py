@@ -1,0 +1,41 @@
+"""Executor: what EngineCore needs from whatever runs the model (one process, or TP ranks).
+
+An executor owns the workers: it builds them, sizes the paged KV cache (agreeing on one block
+count across ranks), runs one step per ``execute`` and returns the driver rank's output. The
+implementations (``UniprocExecutor``, ``MultiprocExecutor``) satisfy this Protocol
+structurally; a test checks their names and signatures against it.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+
+
+@runtime_checkable
+class Executor(Protocol):
+    num_blocks: int  # KV cache blocks per rank (the same on every rank)
+
+    @property
+    def num_forward_tokens(self) -> int:
+        """Tokens run through the model so far (prefill and decode), for statistics."""
+        ...
+
+    @property
+    def weight_bytes_per_rank(self) -> list[int]:
+        """Bytes of model parameters held by each rank, rank 0 first."""
+        ...
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the executor cannot run another step (e.g. a TP rank died): the engine
+        then fails instead of failing only the step's requests."""
+        ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; the result is the driver rank's (with its logprobs)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and release the process group (nothing to do in one process)."""
+        ...
