@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell workers next step
+        self._rewound_ids: set[str] = set()  # preempted by rewind(): workers drop them next step
         self._sent_to_workers: set[str] = set()
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
@@ -59,7 +60,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- the step ---------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: Optional[set[str]] = None) -> SchedulerOutput:
+        """``only``: schedule just these requests (the others wait a step), used to find the
+        request that made a step fail."""
         budget = self.limits.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -69,6 +72,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if only is not None and req.request_id not in only:
+                i += 1
+                continue
             num_new = self._num_new_tokens(req, budget)
             if num_new <= 0:
                 i += 1
@@ -94,8 +100,12 @@ class Scheduler:
 
         # Admit waiting requests (none if we just had to preempt: memory is tight).
         if not preempted:
+            skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
                 req = self.waiting[0]
+                if only is not None and req.request_id not in only:
+                    skipped.append(self.waiting.popleft())
+                    continue
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if not self.limits.enable_chunked_prefill and num_new > budget:
@@ -113,6 +123,7 @@ class Scheduler:
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
                 new_reqs.append(self._new_request_data(req))
+            self.waiting.extendleft(reversed(skipped))
 
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
@@ -129,9 +140,10 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
             finished_req_ids=frozenset(self._finished_ids),
-            preempted_req_ids=frozenset(preempted),
+            preempted_req_ids=frozenset(preempted | self._rewound_ids),
         )
         self._finished_ids.clear()
+        self._rewound_ids.clear()
         return out
 
     def _cap(self, num_new: int, budget: int) -> int:
@@ -239,6 +251,28 @@ class Scheduler:
         others."""
         failed = self.finish_requests(list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(rid, [], finish_reason="error") for rid in failed]
+
+    def rewind(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Undo a step whose execution raised, to retry its requests in smaller groups: each is
+        preempted (blocks freed; blocks this step may have half-written leave the prefix cache;
+        recomputed from its tokens when scheduled again). Workers drop their state of these
+        requests (and of the step's finished ones, again) with the next step. Returns the
+        requests, in their order in the step."""
+        ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.requests]
+        self._finished_ids |= scheduler_output.finished_req_ids
+        for rid in reversed(ids):
+            req = self.requests[rid]
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                self.waiting.remove(req)
+            self.kv.free(req, uncache=True)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self._sent_to_workers.discard(rid)
+            self._rewound_ids.add(rid)
+            self.waiting.appendleft(req)
+        return ids
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -86,3 +86,49 @@ def test_server_maps_a_failed_request_to_http_500():
 
     err = to_api_error(RequestFailedError("request bad failed inside the engine"))
     assert err.status == 500 and err.code == "request_failed" and "failed inside the engine" in err.message
+
+
+def poison_executor(engine: LLMEngine, poison: str, after_execute: bool = True) -> list:
+    """Every step that schedules ``poison`` raises -- after the worker ran it (its K/V written,
+    its states advanced), the hardest case to undo. Returns the list of steps' request ids."""
+    executor = engine.core.executor
+    execute, seen = executor.execute, []
+
+    def flaky(so):
+        seen.append(sorted(so.num_scheduled_tokens))
+        if not after_execute and poison in so.num_scheduled_tokens:
+            raise RuntimeError("injected failure")
+        out = execute(so)
+        if poison in so.num_scheduled_tokens:
+            raise RuntimeError("injected failure")
+        return out
+
+    executor.execute = flaky
+    return seen
+
+
+@pytest.mark.parametrize("after_execute", [True, False])
+def test_failed_step_errors_only_the_request_that_caused_it(llama_ckpt, after_execute):
+    prompts = random_prompts((40, 23, 17, 33, 9), seed=7)
+    reference = LLM(model=llama_ckpt, kv_cache_memory=16 << 20).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    engine = LLMEngine(EngineConfig(model=llama_ckpt, kv_cache_memory=16 << 20))
+    names = ["a", "b", "bad", "c", "d"]
+    steps = poison_executor(engine, "bad", after_execute)
+    for name, p in zip(names, prompts):
+        engine.add_request(name, {"prompt_token_ids": p}, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert done["bad"].outputs[0].finish_reason == "error" and not done["bad"].outputs[0].token_ids
+    for i, name in enumerate(names):
+        if name != "bad":
+            assert done[name].outputs[0].finish_reason == "length"
+            assert done[name].outputs[0].token_ids == reference[i].outputs[0].token_ids, name
+    # One failed batch of 5, then halves: [a, b] runs, [bad, c, d] fails, [bad] fails, [c, d] runs.
+    assert steps[:5] == [["a", "b", "bad", "c", "d"], ["a", "b"], ["bad", "c", "d"], ["bad"], ["c", "d"]]
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+    engine.core.kv_cache_manager.pool.check_consistency()
