@@ -12,6 +12,7 @@ API key, which operators prefer to keep out of process listings.
 | PAGEDLLM_THREADS_PER_RANK=N       | EngineConfig.cpu_threads            |
 | PAGEDLLM_CPU_THREADS_BIND=...     | EngineConfig.cpu_threads_bind       |
 | PAGEDLLM_API_KEY                  | ``pagedllm serve --api-key``        |
+| CXX                               | the CPU kernels' compiler (c++)     |
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def kernel_cache_dir() -> str:
 
 def cpu_kernels_enabled() -> bool:
     return _get("PAGEDLLM_DISABLE_CPU_KERNELS") != "1"
+
+
+def cxx() -> str:
+    """The C++ compiler (with any leading words, e.g. "ccache g++") the CPU kernels are built with."""
+    return _get("CXX") or "c++"
 
 
 def cpu_keep_freed_memory() -> bool:

@@ -1,20 +1,58 @@
-// The one translation unit of pagedllm's CPU kernels (torch/extension.h is slow to compile,
-// so the kernels are headers included here once).
-#include "fused_ops.h"
-#include "packed_gemm.h"
-#include "paged_decode.h"
-#include "paged_prefill.h"
+// The pybind module of pagedllm's CPU kernels. Each kernel family is compiled in its own
+// translation unit (attention.cpp, gemm.cpp, fused_ops.cpp) against the light tensor.h, in
+// parallel, for one ISA level (-DPAGEDLLM_ISA=..., the level's -m flags); this one only binds
+// their entry points (ops.h). A new family: its header, a <family>.cpp defining its entry points
+// in pagedllm::ops, their declarations in ops.h, and an m.def below.
+#include <torch/csrc/utils/pybind.h>
+
+#include "ops.h"
+
+#ifndef PAGEDLLM_ISA
+#define PAGEDLLM_ISA "unknown"
+#endif
+
+namespace pagedllm {
+namespace ops {
+const char* isa_level() { return PAGEDLLM_ISA; }
+}  // namespace ops
+}  // namespace pagedllm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &pagedllm::paged_decode_attention, "paged decode attention over the KV cache blocks");
-  m.def("paged_prefill_attention", &pagedllm::paged_prefill_attention,
+  using namespace pagedllm::ops;
+  m.attr("isa") = PAGEDLLM_ISA;  // the level this build was compiled for (kernels/isa.py)
+  // The instruction-set macros the compiler defined for this build (what the kernels' #ifs see).
+  py::list features;
+#ifdef __AVX2__
+  features.append("avx2");
+#endif
+#ifdef __FMA__
+  features.append("fma");
+#endif
+#ifdef __AVX512F__
+  features.append("avx512f");
+#endif
+#ifdef __AVX512BW__
+  features.append("avx512bw");
+#endif
+#ifdef __AVX512BF16__
+  features.append("avx512bf16");
+#endif
+#ifdef __AMX_TILE__
+  features.append("amx_tile");
+#endif
+#ifdef __AMX_BF16__
+  features.append("amx_bf16");
+#endif
+  m.attr("compiled_features") = features;
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV cache blocks");
+  m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prompt chunks over the KV cache blocks (cached prefix + the chunk)");
-  m.def("packed_linear", &pagedllm::packed_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
+  m.def("packed_linear", &packed_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), "y = x w^T (+ bias) with w packed in 16-column panels");
-  m.def("rms_norm", &pagedllm::rms_norm, "out = rms_norm(x) * weight");
-  m.def("fused_add_rms_norm", &pagedllm::fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight (in place)");
-  m.def("silu_and_mul", &pagedllm::silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]");
-  m.def("rotary_inplace", &pagedllm::rotary_inplace, "neox-style rotary embedding, in place");
-  m.def("write_kv", &pagedllm::write_kv, "write key/value rows into their cache slots");
-  m.def("argmax_rows", &pagedllm::argmax_rows, "index of the first maximum of each float32 row");
+  m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight (in place)");
+  m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]");
+  m.def("rotary_inplace", &rotary_inplace, "neox-style rotary embedding, in place");
+  m.def("write_kv", &write_kv, "write key/value rows into their cache slots");
+  m.def("argmax_rows", &argmax_rows, "index of the first maximum of each float32 row");
 }

@@ -3,7 +3,7 @@
 // scalar path for CPUs without it (PAGEDLLM_AVX2 undefined).
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <cmath>
 #include <cstdint>

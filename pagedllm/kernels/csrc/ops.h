@@ -1,0 +1,37 @@
+// The kernels' entry points as the pybind module (module.cpp) sees them: each is defined in its
+// family's translation unit (attention.cpp, gemm.cpp, fused_ops.cpp, ...), which compiles the
+// family's header for this ISA level. Only declarations here, so module.cpp stays light.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace pagedllm {
+namespace ops {
+
+using at::Tensor;
+
+// attention.cpp
+void paged_decode_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table,
+                            Tensor seq_lens, double scale, int64_t sliding_window);
+void paged_prefill_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table,
+                             Tensor q_start, Tensor q_len, Tensor seq_len, double scale, int64_t sliding_window);
+
+// gemm.cpp
+Tensor packed_linear(Tensor x, Tensor packed, int64_t out_features, std::optional<Tensor> bias);
+
+// fused_ops.cpp
+void rms_norm(Tensor out, Tensor x, Tensor weight, double eps);
+void fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, double eps);
+void silu_and_mul(Tensor out, Tensor x);
+void rotary_inplace(Tensor x, Tensor cos, Tensor sin);
+void write_kv(Tensor key_cache, Tensor value_cache, Tensor key, Tensor value, Tensor slot_mapping);
+void argmax_rows(Tensor out, Tensor logits);
+
+// module.cpp: what this build was compiled for.
+const char* isa_level();
+
+}  // namespace ops
+}  // namespace pagedllm
