@@ -40,8 +40,22 @@ def random_workload(n: int, seed: int = 0, prompt_range=(64, 512), output_range=
     return reqs
 
 
+def cpu_info() -> dict:
+    """The CPU this ran on and the C++ kernels' ISA level in this process (None where they are not
+    loaded here, e.g. only in an engine process): pagedllm.kernels.cpu.describe()."""
+    try:
+        from pagedllm.kernels import cpu
+
+        return cpu.describe()
+    except Exception as e:  # a record without it beats no record
+        return {"error": repr(e)}
+
+
 def write_json(path: str | None, data) -> None:
+    """Write ``data`` (with the CPU and kernel level under "cpu" when it is a dict) as JSON."""
     if path:
+        if isinstance(data, dict) and "cpu" not in data:
+            data = {**data, "cpu": cpu_info()}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(data, f, indent=2)
