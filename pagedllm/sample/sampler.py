@@ -1,9 +1,11 @@
 """Sampler: logits -> token ids, batched over the step (no per-token Python loops over the vocab).
 
 Order: raw logprobs (if asked) -> logit bias, min_tokens bans, penalties -> greedy argmax for
-greedy rows -> temperature -> min_p -> top-k/top-p -> exponential-race sampling
-(argmax(p / E), E ~ Exp(1): one random draw per row, from the request's own generator when it
-is seeded, so a seeded request samples the same tokens whatever batch it is in).
+greedy rows -> temperature -> min_p -> top-k/top-p -> inverse-CDF sampling with one uniform per
+row, drawn from the request's own generator when it is seeded, so a seeded request samples the
+same tokens whatever batch it is in. Without min_p/top-k/top-p (the common case, and vLLM's
+client default) the C++ kernel ``sample_rows`` does temperature, softmax and the draw in one
+fused pass per row; no full-vocabulary sort unless top-k/top-p ask for one.
 """
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ def compute_logprob_table(logprobs: torch.Tensor, chosen: torch.Tensor, k: int):
     else:
         ids, vals = chosen.unsqueeze(1), chosen_lp
     return ids, vals, ranks
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative (unnormalised) probability exceeds u * total:
+    an exact categorical draw from one uniform; tokens of probability 0 are never chosen."""
+    cdf = probs.cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_max_(probs.shape[1] - 1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -84,7 +94,28 @@ class Sampler:
             logits.index_put_((md.ban_rows, md.ban_cols), torch.tensor(float("-inf"), device=logits.device))
         return logits
 
+    def _uniforms(self, n: int, md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row: the engine's generator for most rows, the request's own
+        for seeded ones (one draw per step, so its stream does not depend on the batch)."""
+        u = torch.rand(n, generator=self.generator, device=device)
+        for row, gen in md.generators.items():
+            u[row] = torch.rand(1, generator=gen, device=device)[0]
+        return u
+
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        u = self._uniforms(logits.shape[0], md, logits.device)
+        filters = md.min_p is not None or md.top_k is not None or md.top_p is not None
+        kernels = cpu_kernels.for_tensor(logits)
+        if not filters and kernels is not None and logits.stride(-1) == 1 and hasattr(kernels, "sample_rows"):
+            # One fused pass per row (max, softmax denominator, inverse CDF); greedy rows are
+            # temperature 0 there and take the argmax.
+            if md.temperature is not None:
+                temp = md.temperature.masked_fill(md.greedy_rows, 0.0) if md.greedy_rows is not None else md.temperature
+            else:
+                temp = (~md.greedy_rows).float() if md.greedy_rows is not None else torch.ones(logits.shape[0])
+            out = torch.empty(logits.shape[0], dtype=torch.long)
+            kernels.sample_rows(out, logits, temp.contiguous(), u)
+            return out
         greedy = logits.argmax(dim=-1) if md.greedy_rows is not None else None
         if md.temperature is not None:
             logits = logits / md.temperature.unsqueeze(1)
@@ -94,11 +125,7 @@ class Sampler:
             probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
         if md.top_k is not None or md.top_p is not None:
             probs = self._top_k_top_p(probs, md.top_k, md.top_p)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
-        for row, gen in md.generators.items():
-            noise[row].exponential_(generator=gen)
-        sampled = (probs / noise).argmax(dim=-1)
+        sampled = inverse_cdf(probs, u)
         if greedy is not None:
             sampled = torch.where(md.greedy_rows, greedy, sampled)
         return sampled

@@ -55,4 +55,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "neox-style rotary embedding, in place");
   m.def("write_kv", &write_kv, "write key/value rows into their cache slots");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each float32 row");
+  m.def("sample_rows", &sample_rows,
+        "a token per float32 row from softmax(row / temperature) by inverse CDF of one uniform (argmax at temperature 0)");
 }

@@ -30,6 +30,9 @@ void rotary_inplace(Tensor x, Tensor cos, Tensor sin);
 void write_kv(Tensor key_cache, Tensor value_cache, Tensor key, Tensor value, Tensor slot_mapping);
 void argmax_rows(Tensor out, Tensor logits);
 
+// sampling.cpp
+void sample_rows(Tensor out, Tensor logits, Tensor temperature, Tensor uniforms);
+
 // module.cpp: what this build was compiled for.
 const char* isa_level();
 
