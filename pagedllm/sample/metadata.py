@@ -37,6 +37,7 @@ class SamplingMetadata:
     output_counts: Optional[torch.Tensor]  # [B, V] counts of generated tokens
     prompt_mask: Optional[torch.Tensor]  # [B, V] bool: token appears in the prompt
     max_num_logprobs: Optional[int]  # None: no request wants logprobs
+    top_k_max: Optional[int] = None  # max of top_k (host side): below the vocab size, no full sort
 
 
 class SamplingRowState(Protocol):
@@ -63,7 +64,7 @@ def build_sampling_metadata(
     def tensor(values, dtype):
         return torch.tensor(values, dtype=dtype, device=device)
 
-    temperature = top_k = top_p = min_p = greedy_rows = None
+    temperature = top_k = top_p = min_p = greedy_rows = top_k_max = None
     generators: dict[int, torch.Generator] = {}
     if not all_greedy:
         if any(greedy):
@@ -72,7 +73,9 @@ def build_sampling_metadata(
         if any(t != 1.0 for t in temps):
             temperature = tensor(temps, torch.float32)
         if any(sp.top_k > 0 for sp in sps):
-            top_k = tensor([min(sp.top_k, vocab_size) if sp.top_k > 0 else vocab_size for sp in sps], torch.long)
+            # greedy rows take the argmax whatever their k: 1 keeps them from forcing a full sort
+            row_ks = [1 if g else min(sp.top_k, vocab_size) if sp.top_k > 0 else vocab_size for g, sp in zip(greedy, sps)]
+            top_k, top_k_max = tensor(row_ks, torch.long), max(row_ks)
         if any(sp.top_p < 1.0 for sp in sps):
             top_p = tensor([sp.top_p for sp in sps], torch.float32)
         if any(sp.min_p > 0.0 for sp in sps):
@@ -103,6 +106,7 @@ def build_sampling_metadata(
         output_counts=output_counts,
         prompt_mask=prompt_mask,
         max_num_logprobs=max(ks) if ks else None,
+        top_k_max=top_k_max,
     )
 
 

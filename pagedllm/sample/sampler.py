@@ -123,19 +123,29 @@ class Sampler:
         if md.min_p is not None:
             top = probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
-        if md.top_k is not None or md.top_p is not None:
-            probs = self._top_k_top_p(probs, md.top_k, md.top_p)
-        sampled = inverse_cdf(probs, u)
+        if md.top_k is not None and md.top_k_max < probs.shape[1]:
+            # Every sampled row has a top-k: filter among the k_max largest, no full sort. The draw
+            # walks the survivors in vocabulary order, as the full path does, so one uniform picks
+            # the same token whichever path the batch takes (seeded requests stay batch-independent).
+            vals, ids = probs.topk(md.top_k_max, dim=-1)
+            kept = self._top_k_top_p_sorted(vals, md.top_k, md.top_p)
+            ids, order = ids.sort(dim=-1)
+            pick = inverse_cdf(kept.gather(1, order), u)
+            sampled = ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+        else:
+            if md.top_k is not None or md.top_p is not None:
+                probs = self._top_k_top_p(probs, md.top_k, md.top_p)
+            sampled = inverse_cdf(probs, u)
         if greedy is not None:
             sampled = torch.where(md.greedy_rows, greedy, sampled)
         return sampled
 
     @staticmethod
-    def _top_k_top_p(probs: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+    def _top_k_top_p_sorted(sorted_p: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+        """Zero the entries of descending rows ``sorted_p`` that top-k / top-p exclude."""
         keep = torch.ones_like(sorted_p, dtype=torch.bool)
         if top_k is not None:
-            ranks = torch.arange(sorted_p.shape[1], device=probs.device).unsqueeze(0)
+            ranks = torch.arange(sorted_p.shape[1], device=sorted_p.device).unsqueeze(0)
             keep &= ranks < top_k.unsqueeze(1)
         if top_p is not None:
             sorted_p = sorted_p.masked_fill(~keep, 0.0)
@@ -143,6 +153,11 @@ class Sampler:
             total = cum[:, -1:].clamp_min(1e-30)
             # keep a token if the mass before it is below top_p (the first token is always kept)
             keep &= (cum - sorted_p) < top_p.unsqueeze(1) * total
+        return sorted_p.masked_fill(~keep, 0.0)
+
+    @classmethod
+    def _top_k_top_p(cls, probs: torch.Tensor, top_k: Optional[torch.Tensor], top_p: Optional[torch.Tensor]) -> torch.Tensor:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
         filtered = torch.zeros_like(probs)
-        filtered.scatter_(1, order, sorted_p.masked_fill(~keep, 0.0))
+        filtered.scatter_(1, order, cls._top_k_top_p_sorted(sorted_p, top_k, top_p))
         return filtered

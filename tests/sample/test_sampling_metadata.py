@@ -46,7 +46,9 @@ def test_mixed_rows_in_order():
     assert not md.all_greedy
     assert md.greedy_rows.tolist() == [True, False, False]
     assert md.temperature.tolist() == [1.0, 0.5, 1.0]
-    assert md.top_k.tolist() == [V, V, V]  # top_k above the vocabulary is the whole vocabulary
+    # top_k above the vocabulary is the whole vocabulary; a greedy row's is 1 (it takes the argmax
+    # anyway, and must not force the sampler into a full-vocabulary sort)
+    assert md.top_k.tolist() == [1, V, V] and md.top_k_max == V
     assert md.top_p.tolist() == [1.0, 0.8999999761581421, 1.0]
     assert md.generators == {1: gen}
     assert list(zip(md.bias_rows.tolist(), md.bias_cols.tolist(), md.bias_vals.tolist())) == [(2, 6, 2.0)]
