@@ -49,12 +49,10 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """AVX512-BF16 or AMX-BF16: bf16 products in hardware (the kernels' ISA detection decides)."""
+    from pagedllm.kernels import isa
+
+    return bool({"avx512_bf16", "amx_bf16"} & isa.cpu_flags())
 
 
 @dataclass(frozen=True)
@@ -79,6 +77,7 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.cpu_description: dict | None = None  # CPU model, flags and kernel level (CPU only)
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             tp = get_tp_group()
@@ -103,6 +102,11 @@ class Worker:
                 cpu_kernels.load(config.kernel_cache_dir)
             pack_linear_weights(self.model, self.dtype)
             keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS
+            self.cpu_description = cpu_kernels.describe()
+            d = self.cpu_description
+            logger.info("CPU %s (%s), %d threads, %s: kernels %s (level %s, best for this CPU %s)", d["cpu_model"],
+                        " ".join(d["cpu_flags"]), torch.get_num_threads(), self.dtype, d["kernels"], d["isa"],
+                        d["isa_cpu_best"])
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
