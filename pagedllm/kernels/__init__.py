@@ -1,2 +1,3 @@
-"""Compiled kernels: ``cpu`` builds and loads the C++ CPU ops in ``csrc/`` (Triton GPU kernels live
-with their attention backend)."""
+"""Compiled kernels: ``cpu`` loads the C++ CPU ops in ``csrc/``, built (``build``) for the highest
+instruction-set level this CPU runs (``isa``) and cached on disk (Triton GPU kernels live with
+their attention backend)."""
