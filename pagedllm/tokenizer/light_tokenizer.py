@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime
 from typing import Any, Optional
 
+from pagedllm.tokenizer.chat_template import render_bounded
+
 _GENERIC = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+_LONG_TEXT = 4096
 _SPECIAL_ATTRS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -91,6 +93,8 @@ class LightTokenizer:
 
     # ---- text <-> ids -----------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True, **kwargs) -> list[int]:
+        if len(text) > _LONG_TEXT:  # encode_batch releases the GIL (encode does not): other threads run
+            return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def __call__(self, text: str, add_special_tokens: bool = True, **kwargs) -> dict[str, list[int]]:
@@ -112,35 +116,11 @@ class LightTokenizer:
         variables = {a: getattr(self, a) for a in _SPECIAL_ATTRS}
         variables["additional_special_tokens"] = self.additional_special_tokens
         variables.update(kwargs)
-        text = _compile(template).render(messages=[dict(m) for m in conversation], tools=tools, documents=documents,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+        text = render_bounded(template, dict(messages=[dict(m) for m in conversation], tools=tools, documents=documents,
+                                             add_generation_prompt=add_generation_prompt, **variables))
         if not tokenize:
             return text
         return self.encode(text, add_special_tokens=False)
-
-
-_TEMPLATES: dict[str, Any] = {}
-
-
-def _compile(template: str):
-    compiled = _TEMPLATES.get(template)
-    if compiled is None:
-        import jinja2
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise jinja2.exceptions.TemplateError(message)
-
-        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.filters["tojson"] = tojson
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        compiled = _TEMPLATES[template] = env.from_string(template)
-    return compiled
 
 
 def load_light_tokenizer(path: str) -> Optional[LightTokenizer]:

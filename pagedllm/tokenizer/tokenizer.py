@@ -33,3 +33,35 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+_SPECIAL_VARS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def chat_template_variables(tokenizer) -> dict[str, Any]:
+    """The variables a Hugging Face chat template sees besides the messages (special tokens)."""
+    out: dict[str, Any] = {}
+    for name in _SPECIAL_VARS:
+        value = getattr(tokenizer, name, None)
+        out[name] = value if isinstance(value, str) or value is None else str(value)
+    out["additional_special_tokens"] = [str(t) for t in (getattr(tokenizer, "additional_special_tokens", None) or [])]
+    return out
+
+
+def render_request_template(tokenizer, sandbox, template: str, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+    """A chat template sent with a request: rendered in ``sandbox`` (a TemplateSandbox: another
+    process, bounded in time, memory and output), then encoded as transformers does."""
+    variables = chat_template_variables(tokenizer)
+    variables.update(messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None)
+    text = sandbox.render(template, variables)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest token's length in characters (an upper bound on the text one token covers)."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(16, max((len(t) for t in vocab), default=16))
+    except Exception:
+        return 64
