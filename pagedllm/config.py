@@ -35,7 +35,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (no effect on CPU)
     served_model_name: Optional[str] = None
-    max_waiting_requests: Optional[int] = None
+    max_waiting_requests: Optional[int] = None  # sequences waiting beyond max_num_seqs; default 4 x max_num_seqs
+    max_n: int = 128  # most sequences (n) one request may ask for
     # CPU settings (defaults may be overridden by the variables listed in envs.py).
     cpu_kernels: bool = field(default_factory=envs.cpu_kernels_enabled)
     kernel_cache_dir: str = field(default_factory=envs.kernel_cache_dir)
@@ -66,12 +67,21 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_threads_bind is not None:
             cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size)  # raises if malformed
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local directory with config.json and safetensors weights: {self.model!r}")
+
+
+def resolve_max_waiting_requests(config: EngineConfig) -> int:
+    """Sequences allowed to wait beyond the running batch: the flag, or 4 x max_num_seqs."""
+    if config.max_waiting_requests is not None:
+        return config.max_waiting_requests
+    return 4 * config.max_num_seqs
 
 
 def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:

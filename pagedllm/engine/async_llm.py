@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, resolve_max_waiting_requests
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -29,7 +29,7 @@ class EngineDeadError(RuntimeError):
 
 
 class QueueFullError(RuntimeError):
-    """Too many requests are waiting; the caller should retry later (HTTP 503)."""
+    """Too many sequences are waiting; the caller should retry later (HTTP 429 + Retry-After)."""
 
 
 class RequestFailedError(RuntimeError):
@@ -57,7 +57,9 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._num_pending = 0  # submitted, not yet finished (for max_waiting_requests)
+        self._num_pending = 0  # sequences (n per request) submitted, not yet finished (admission limit)
+        self._pending_seqs: dict[str, int] = {}
+        self.max_pending_seqs = config.max_num_seqs + resolve_max_waiting_requests(config)
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self.dead_error: Optional[BaseException] = None
@@ -81,20 +83,24 @@ class AsyncLLM:
         """Yields delta RequestOutputs; the last one has ``finished=True``."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
-        if self.config.max_waiting_requests is not None:
-            # Capacity in flight = max_num_seqs running + max_waiting_requests queued. Counted on
-            # this side (not from the engine's last stats snapshot) so a burst is judged exactly.
-            capacity = self.config.max_num_seqs + self.config.max_waiting_requests
-            if self._num_pending >= capacity:
-                raise QueueFullError(
-                    f"the server is overloaded: {self._num_pending} requests in flight, the limit is "
-                    f"max_num_seqs + max_waiting_requests = {capacity}; retry later"
-                )
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be at most {self.config.max_n} (the server's --max-n), got {params.n}")
+        # Capacity in flight = max_num_seqs running + max_waiting_requests queued, in sequences
+        # (a request with n=8 is 8). Counted on this side (not from the engine's last stats
+        # snapshot) so a burst is judged exactly.
+        capacity = self.max_pending_seqs
+        if self._num_pending + params.n > capacity:
+            raise QueueFullError(
+                f"the server is overloaded: {self._num_pending} sequences in flight and this request adds "
+                f"{params.n}; the limit is max_num_seqs + max_waiting_requests = {capacity}; retry later"
+            )
         self.engine.input_processor.process(prompt)  # raises ValueError on bad input, here and now
         request_id = request_id or f"req-{time.monotonic_ns()}-{id(prompt)}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._count(+1)
+        self._count(request_id, params.n)
         self._commands.put(("add", request_id, prompt, params, time.monotonic()))
         self._wakeup.set()
         finished = False
@@ -111,9 +117,14 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def _count(self, delta: int) -> None:
+    def _count(self, request_id: str, n: int) -> None:
         with self._pending_lock:
-            self._num_pending += delta
+            self._pending_seqs[request_id] = n
+            self._num_pending += n
+
+    def _release(self, request_id: str) -> None:
+        with self._pending_lock:
+            self._num_pending -= self._pending_seqs.pop(request_id, 0)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -139,19 +150,21 @@ class AsyncLLM:
                 _, rid, prompt, params, arrival = cmd
                 stream = self._streams.get(rid)
                 if stream is None:
-                    self._count(-1)
+                    self._release(rid)
                     continue  # aborted before it was added
                 try:
                     self.engine.add_request(rid, prompt, params, output_kind=OUTPUT_DELTA, arrival_time=arrival)
                 except Exception as e:  # e.g. duplicate id: fail this request only
                     self._streams.pop(rid, None)
-                    self._count(-1)
+                    self._release(rid)
                     stream.put(e)
             else:
                 rid = cmd[1]
-                if self._streams.pop(rid, None) is not None:
-                    self._count(-1)
-                self.engine.abort_request(rid)
+                self._streams.pop(rid, None)
+                self._release(rid)
+                for out in self.engine.abort_request(rid):
+                    if self.on_finished is not None:
+                        self.on_finished(out)
 
     def _loop(self) -> None:
         try:
@@ -170,8 +183,8 @@ class AsyncLLM:
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
-                        if self._streams.pop(out.request_id, None) is not None:
-                            self._count(-1)
+                        self._streams.pop(out.request_id, None)
+                        self._release(out.request_id)
                         if self.on_finished is not None:
                             self.on_finished(out)
                     if stream is not None:

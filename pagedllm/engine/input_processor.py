@@ -1,7 +1,13 @@
-"""InputProcessor: prompt (text, token ids, or {"prompt_token_ids": ...}) -> validated token ids."""
+"""InputProcessor: prompt (text, token ids, or {"prompt_token_ids": ...}) -> validated token ids.
+
+A text prompt longer than ``max_prompt_chars`` (max_model_len tokens of the longest token, with
+a margin of 2) can never fit and is refused before it is tokenised: tokenising megabytes takes
+seconds."""
 from __future__ import annotations
 
 from typing import Any, Optional, Union
+
+from pagedllm.tokenizer.tokenizer import max_token_chars
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -11,6 +17,14 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_prompt_chars = 2 * max_model_len * max_token_chars(tokenizer) if tokenizer is not None else 0
+
+    def check_text_length(self, text: str) -> None:
+        if self.max_prompt_chars and len(text) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt is {len(text)} characters, more than the {self.max_prompt_chars} that max_model_len "
+                f"({self.max_model_len} tokens) could ever hold"
+            )
 
     def process(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         text: Optional[str] = None
@@ -34,6 +48,7 @@ class InputProcessor:
                 raise ValueError("prompt must be a string")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
+            self.check_text_length(text)
             ids = self.tokenizer.encode(text)
         ids = list(ids)
         if not ids:

@@ -93,6 +93,8 @@ class LLMEngine:
     ) -> str:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > self.config.max_n:
+            raise ValueError(f"n must be at most {self.config.max_n} (max_n), got {params.n}")
         request_id = request_id or self.new_request_id()
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -126,17 +128,30 @@ class LLMEngine:
         self.parents[request_id] = parent
         return request_id
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids) -> list[RequestOutput]:
+        """Abort requests (their blocks are freed at once). Returns each aborted request's final
+        RequestOutput (unfinished sequences with finish_reason "abort"), for metrics."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        finals: list[RequestOutput] = []
         for rid in request_ids:
-            parent = self.parents.pop(rid, None)
+            parent = self.parents.get(rid)
             if parent is None:
                 continue
             self.core.abort_requests(parent.child_ids)
             for cid in parent.child_ids:
+                st = self.output_processor.states.get(cid)
+                if st is not None and st.finish_reason is None:
+                    st.finish_reason = "abort"
+            if all(c in self.output_processor.states for c in parent.child_ids):
+                ro = self._make_output(parent)  # removes the parent and its states
+                if ro is not None:
+                    finals.append(ro)
+            self.parents.pop(rid, None)
+            for cid in parent.child_ids:
                 self.output_processor.remove(cid)
                 self.child_to_parent.pop(cid, None)
+        return finals
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)

@@ -31,7 +31,9 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts across steps",
     "tensor_parallel_size": "number of tensor parallel ranks",
     "served_model_name": "the model name clients use (default: the model path)",
-    "max_waiting_requests": "reject new requests with 503 when this many are waiting (default: no limit)",
+    "max_waiting_requests": "sequences (n per request) that may wait beyond the running batch; past it new requests "
+                            "get 429 with Retry-After (default: 4 x max_num_seqs)",
+    "max_n": "most sequences (n) one request may ask for (default 128)",
     "cpu_kernels": "use pagedllm's C++ CPU kernels (built for this CPU on first use; env PAGEDLLM_DISABLE_CPU_KERNELS=1 "
                    "turns the default off); --no-cpu-kernels runs the pure-torch paths",
     "kernel_cache_dir": "where built CPU kernels are cached (default: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels)",
@@ -119,7 +121,25 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--skip-tokenizer-init", action="store_true",
                      help="serve a checkpoint without tokenizer files: token-id prompts only, no text in outputs")
     srv.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+                     help="on SIGTERM, seconds to let in-flight requests finish; then each open one ends with an "
+                          "error (an error event and [DONE] for streams)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="allow a chat_template in requests (rendered in a separate process, bounded in time, "
+                          "memory and output); off by default: such requests get 400")
+    srv.add_argument("--chat-template-timeout", type=float, default=2.0,
+                     help="seconds a request's chat template may take to render (default 2)")
+    srv.add_argument("--max-request-body-size", type=parse_size, default=None,
+                     help="largest request body, in bytes or with a unit (8MiB); larger ones get 413 (default: "
+                          "4 MiB above the largest prompt max_model_len can hold)")
+    srv.add_argument("--http-read-timeout", type=float, default=30.0,
+                     help="seconds a client may take to send a request's headers, and between parts of its body "
+                          "(then the connection is closed, or 408); default 30")
+    srv.add_argument("--request-timeout", type=float, default=None,
+                     help="default deadline of a request in seconds (a request's 'timeout' field or x-request-timeout "
+                          "header overrides it); past it the request is aborted with 408 (default: none)")
+    srv.add_argument("--metrics-prefix", default="pagedllm",
+                     help="prefix of the /metrics names (PREFIX:num_requests_running ...); 'vllm' makes vLLM's "
+                          "dashboards work unchanged")
     add_engine_args(srv)
     return parser
 
@@ -190,7 +210,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import logging
 
     level = getattr(args, "log_level", "warning").upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":  # every line names the HTTP request it belongs to ("-": none)
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s [%(request_id)s]: %(message)s")
+        from pagedllm.entrypoints.request_id import RequestIdFilter
+
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(RequestIdFilter())
+    else:
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":
             return _generate(args)
@@ -210,7 +237,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         server_args = ServerArgs(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
                                  log_level=args.log_level, access_log=args.access_log,
-                                 shutdown_timeout=args.shutdown_timeout, skip_tokenizer_init=args.skip_tokenizer_init)
+                                 shutdown_timeout=args.shutdown_timeout, skip_tokenizer_init=args.skip_tokenizer_init,
+                                 trust_request_chat_template=args.trust_request_chat_template,
+                                 chat_template_timeout=args.chat_template_timeout,
+                                 max_request_body_size=args.max_request_body_size,
+                                 http_read_timeout=args.http_read_timeout, request_timeout=args.request_timeout,
+                                 metrics_prefix=args.metrics_prefix)
         return run_server(config, server_args, args.stop_requested)
     except ValueError as e:  # bad configuration: one clear line, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)

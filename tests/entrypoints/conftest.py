@@ -20,14 +20,23 @@ def free_port() -> int:
 class LiveServer:
     """build_app(...) served by uvicorn on a thread; ``url`` is http://127.0.0.1:PORT."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, args=None) -> None:
+        """``args``: a ServerArgs to serve with ``pagedllm serve``'s uvicorn settings (header
+        timeouts, drain on stop) instead of plain uvicorn ones."""
         import uvicorn
 
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                   timeout_keep_alive=5))
+        if args is not None:
+            import dataclasses
+
+            from pagedllm.entrypoints.openai.api_server import make_server
+
+            self.server = make_server(app, dataclasses.replace(args, port=self.port, log_level="warning"))
+        else:
+            self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                       timeout_keep_alive=5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

@@ -119,18 +119,22 @@ def test_sigterm_finishes_in_flight_and_exits_0(llama_ckpt):
 
 @pytest.mark.slow
 def test_sigterm_aborts_requests_past_the_shutdown_timeout(llama_ckpt):
+    """Past --shutdown-timeout an open stream ends with an error event and [DONE] (not cut), a
+    new request meanwhile gets 503 shutting_down, and no traceback is logged."""
     proc, url = _serve(llama_ckpt, "--shutdown-timeout", "0.5")
     try:
-        started = threading.Event()
+        started, result = threading.Event(), {"lines": []}
 
         def stream():
             body = {"prompt": "w1", "max_tokens": 250, "temperature": 0, "stream": True, "ignore_eos": True}
             try:
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                    for _ in r.iter_lines():
+                    for line in r.iter_lines():
+                        if line:
+                            result["lines"].append(line)
                         started.set()
-            except httpx.HTTPError:
-                pass
+            except httpx.HTTPError as e:
+                result["error"] = e
 
         t = threading.Thread(target=stream)
         t.start()
@@ -140,6 +144,11 @@ def test_sigterm_aborts_requests_past_the_shutdown_timeout(llama_ckpt):
         assert proc.wait(timeout=60) == 0
         assert time.monotonic() - t0 < 15
         t.join(30)
+        lines = result["lines"]
+        assert "error" not in result and lines[-1] == "data: [DONE]", result
+        err = json.loads(lines[-2][6:])["error"]
+        assert err["code"] == "shutting_down" and err["type"] == "service_unavailable_error"
+        assert "Traceback" not in proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -169,7 +169,7 @@ def test_api_key(llama_ckpt, server):
 
 
 # ---- overload and a dead engine: 503 ---------------------------------------------------------
-def test_queue_full_503_and_dead_engine_503(llama_ckpt):
+def test_queue_full_429_and_dead_engine_503(llama_ckpt):
     from pagedllm.entrypoints.openai.api_server import build_app
 
     engine = make_engine(llama_ckpt, max_num_seqs=1, max_waiting_requests=2)
@@ -183,10 +183,11 @@ def test_queue_full_503_and_dead_engine_503(llama_ckpt):
 
         results = asyncio.run(burst())
         codes = sorted(r.status_code for r in results)
-        assert codes.count(200) == 3 and codes.count(503) == 7, codes  # 1 running + 2 waiting
+        assert codes.count(200) == 3 and codes.count(429) == 7, codes  # 1 running + 2 waiting
         for r in results:
-            if r.status_code == 503:
-                assert_error(r, 503, code="queue_full")
+            if r.status_code == 429:
+                assert_error(r, 429, code="queue_full")
+                assert r.headers["retry-after"] == "1"
         wait_idle(engine)
         assert httpx.post(live.url + "/v1/completions", json=body).status_code == 200  # recovered
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+import time
+
 import httpx
 import pytest
 from conftest import wait_idle
@@ -277,9 +279,15 @@ def test_client_disconnect_non_streaming_aborts(server):
     wait_idle(server.engine)
     before = _tokens_run(server.engine)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 245, "temperature": 0, "ignore_eos": True}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.15)
-    wait_idle(server.engine)
+    executor = server.engine.engine.core.executor
+    execute = executor.execute
+    executor.execute = lambda so: (time.sleep(0.005), execute(so))[1]  # 245 steps cannot beat the client's timeout
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.15)
+        wait_idle(server.engine)
+    finally:
+        executor.execute = execute
     s = server.engine.stats
     assert s.num_free_blocks == s.num_total_blocks
     assert _tokens_run(server.engine) - before < 5 + 240, "the request ran to the end instead of being aborted"

@@ -2,17 +2,28 @@
 
 Given an EngineConfig, the app starts serving at once and builds the engine on a loader
 thread: /health answers 503 until the engine is ready, then 200. Every error is OpenAI-shaped
-JSON. A client that disconnects (streaming or not) aborts its engine requests. SIGTERM: uvicorn
-stops accepting, lets in-flight requests finish (up to ``shutdown_timeout``, then cancels them,
-which aborts them), and the lifespan shutdown stops the engine; the process exits 0.
+JSON with a non-null ``code``; a 500 names a request id, never internal details (the traceback
+is logged under that id). A client that disconnects (streaming or not) aborts its engine requests.
+
+Every response carries ``X-Request-Id`` (the client's, or a generated one; log lines carry it
+too). Request bodies are read by ``_RequestGuard`` before the app sees them: over
+``max_request_body_size`` -> 413, a body that stalls longer than ``http_read_timeout`` -> 408,
+a Content-Type other than JSON on a POST -> 415. A connection that does not finish sending a
+request's headers within ``http_read_timeout`` is closed (``_H11Protocol``).
+
+SIGTERM: uvicorn stops accepting, new requests get 503 ``shutting_down``, in-flight ones may
+finish for ``shutdown_timeout`` seconds; then every open one is ended with an error (an error
+event and ``[DONE]`` for streams), and the lifespan shutdown stops the engine; the process exits 0.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -27,7 +38,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse, VersionResponse,
 )
-from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing
+from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingOptions, ShuttingDown, internal_error
+from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
 from pagedllm.version import __version__
 
@@ -36,12 +48,22 @@ logger = logging.getLogger("pagedllm.server")
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 
 
-def _json(model, status: int = 200) -> Response:
-    return Response(content=model.model_dump_json(), status_code=status, media_type="application/json")
+def _json(model, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
+    return Response(content=model.model_dump_json(), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
-def _error(status: int, message: str, param=None, code=None, type=None) -> Response:
-    return _json(APIError(status, message, param, code, type).body(), status)
+def _error(status: int, message: str, param=None, code=None, type=None, headers=None) -> Response:
+    return _json(APIError(status, message, param, code, type).body(), status, headers)
+
+
+_BASE_BODY_BYTES = 4 << 20
+
+
+def default_max_body_size(max_prompt_chars: int, max_model_len: int) -> int:
+    """4 MiB above the largest prompt max_model_len could hold (its characters at 4 UTF-8 bytes
+    each, or its token ids as JSON numbers)."""
+    return _BASE_BODY_BYTES + max(4 * max_prompt_chars, 12 * max_model_len)
 
 
 class ServerState:
@@ -49,7 +71,8 @@ class ServerState:
 
     def __init__(self, engine_or_config: Any, served_model_name: Optional[str] = None,
                  api_key: Optional[str] = None, owns_engine: Optional[bool] = None,
-                 skip_tokenizer_init: bool = False) -> None:
+                 skip_tokenizer_init: bool = False, args: Optional["ServerArgs"] = None) -> None:
+        self.args = args or ServerArgs()
         if isinstance(engine_or_config, EngineConfig):
             self.config, self.engine = engine_or_config, None
         else:
@@ -60,7 +83,10 @@ class ServerState:
         self.served_model_names = [name]
         self.api_key = api_key or None
         self.skip_tokenizer_init = skip_tokenizer_init
-        self.metrics = PrometheusMetrics(name)
+        self.metrics = PrometheusMetrics(name, prefix=self.args.metrics_prefix)
+        self.max_body_size = self.args.max_request_body_size or _BASE_BODY_BYTES  # until the engine is ready
+        self.draining = False
+        self.template_sandbox = None
         self.serving: Optional[OpenAIServing] = None
         self.load_error: Optional[BaseException] = None
         self.on_load_error: Optional[Callable[[BaseException], None]] = None
@@ -98,12 +124,22 @@ class ServerState:
     def _ready(self, engine) -> None:
         self.metrics.attach(engine)
         self.engine = engine
-        self.serving = OpenAIServing(engine, self.served_model_names, self.model_path)
+        if self.args.trust_request_chat_template and self.template_sandbox is None:
+            from pagedllm.tokenizer.chat_template import TemplateSandbox
+
+            self.template_sandbox = TemplateSandbox(timeout=self.args.chat_template_timeout)
+        options = ServingOptions(self.args.trust_request_chat_template, self.template_sandbox,
+                                 self.args.request_timeout)
+        self.serving = OpenAIServing(engine, self.served_model_names, self.model_path, options)
+        self.max_body_size = self.args.max_request_body_size or default_max_body_size(
+            self.serving.input_processor.max_prompt_chars, engine.max_model_len)
         self.ready_seconds = time.monotonic() - self.started
         logger.info("engine ready after %.2f s: model %s, max_model_len %d", self.ready_seconds,
                     self.served_model_names[0], engine.max_model_len)
 
     def require(self) -> OpenAIServing:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
         if self.serving is None:
             if self.load_error is not None:
                 raise APIError(503, f"the engine failed to start: {self.load_error!r}", code="engine_dead")
@@ -112,12 +148,29 @@ class ServerState:
             raise APIError(503, f"the engine is not running: {self.engine.dead_error!r}", code="engine_dead")
         return self.serving
 
+    def begin_drain(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
+        """Stop admitting (503 shutting_down); after ``seconds`` end what still runs with an error."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("shutting down: draining in-flight requests for up to %g s", seconds)
+        loop.call_soon_threadsafe(lambda: loop.call_later(seconds, self.end_requests))
+
+    def end_requests(self) -> int:
+        """End every open request with a 'shutting down' error (on the event loop)."""
+        n = self.serving.end_all(ShuttingDown()) if self.serving is not None else 0
+        if n:
+            logger.warning("shutdown: ended %d requests still running after the drain time", n)
+        return n
+
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
             engine = self.engine
         if engine is not None and self.owns_engine:
             engine.shutdown()
+        if self.template_sandbox is not None:
+            self.template_sandbox.close()
 
     async def log_loop(self, interval: float = 10.0) -> None:
         last_tokens, last_t = None, time.monotonic()
@@ -147,6 +200,120 @@ class _AuthMiddleware:
                               code="invalid_api_key")
                 return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+_REQUEST_ID_OK = re.compile(r"[!-~]{1,128}")  # visible ASCII, at most 128 characters
+_JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+
+
+class _RequestGuard:
+    """Pure ASGI, outermost: gives every request an id (X-Request-Id echoed or generated, set for
+    log lines), refuses a new request while shutting down, and reads POST bodies itself --
+    bounded in size (413) and in the time between chunks (408), JSON only (415) -- before the
+    app sees them. Streaming responses pass untouched."""
+
+    def __init__(self, app, state: "ServerState") -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex
+        request_id_var.set(rid)
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        if scope["method"] == "POST" and scope["path"] in _JSON_PATHS:
+            ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+            if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+                return await _error(415, f"the Content-Type must be application/json, got {ctype!r}",
+                                    code="unsupported_media_type")(scope, receive, send_with_id)
+            limit = self.state.max_body_size
+            try:
+                declared = int(headers.get(b"content-length", b"-1"))
+            except ValueError:
+                declared = -1
+            if declared > limit:
+                return await self._too_large(declared, limit, scope, receive, send_with_id)
+            chunks, size, timeout = [], 0, self.state.args.http_read_timeout
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), timeout)
+                except asyncio.TimeoutError:
+                    return await _error(408, f"the request body was not received: nothing arrived for {timeout:g} s",
+                                        code="body_timeout")(scope, receive, send_with_id)
+                if message["type"] == "http.disconnect":
+                    return
+                body = message.get("body", b"")
+                size += len(body)
+                if size > limit:
+                    return await self._too_large(size, limit, scope, receive, send_with_id)
+                chunks.append(body)
+                if not message.get("more_body", False):
+                    break
+            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+            async def receive_replayed():
+                return replay.pop() if replay else await receive()
+
+            return await self.app(scope, receive_replayed, send_with_id)
+        return await self.app(scope, receive, send_with_id)
+
+    @staticmethod
+    async def _too_large(size: int, limit: int, scope, receive, send):
+        resp = _error(413, f"the request body is {'at least ' if size <= limit else ''}{size} bytes; this server "
+                           f"accepts at most {limit} (--max-request-body-size)", code="request_too_large",
+                      headers={"Connection": "close"})
+        await resp(scope, receive, send)
+
+
+def _h11_protocol(header_timeout: float):
+    """uvicorn's h11 protocol, closing a connection that does not deliver a request's headers
+    within ``header_timeout`` seconds of connecting or of sending its first bytes after the
+    previous response (idle keep-alive connections are uvicorn's timeout_keep_alive)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class _H11Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _waiting_for_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout, self._expired)
+
+        def _expired(self) -> None:
+            self._header_timer = None
+            if self._waiting_for_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._waiting_for_headers():
+                self._arm()
+            super().data_received(data)
+            if not self._waiting_for_headers() and self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+    return _H11Protocol
+
 
 
 class _SSEResponse(StreamingResponse):
@@ -191,13 +358,15 @@ async def _unless_disconnected(raw: Request, coro):
 
 def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, api_key: Optional[str] = None,
               owns_engine: Optional[bool] = None, skip_tokenizer_init: bool = False,
-              state: Optional[ServerState] = None) -> FastAPI:
+              state: Optional[ServerState] = None, args: Optional["ServerArgs"] = None) -> FastAPI:
     """The FastAPI app over an AsyncLLM (ready at once, owned by the caller unless ``owns_engine``)
     or an EngineConfig (built on a loader thread at start-up, shut down with the app)."""
-    state = state or ServerState(engine_or_config, served_model_name, api_key, owns_engine, skip_tokenizer_init)
+    state = state or ServerState(engine_or_config, served_model_name, api_key, owns_engine, skip_tokenizer_init,
+                                 args)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
         state.start_loading()
         log_task = asyncio.create_task(state.log_loop())
         try:
@@ -211,10 +380,11 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     app.state.server = state
     if state.api_key:
         app.add_middleware(_AuthMiddleware, api_key=state.api_key)
+    app.add_middleware(_RequestGuard, state=state)  # outermost
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return _json(exc.body(), exc.status)
+        return _json(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -223,8 +393,18 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "")
             return _error(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+        if tuple(first.get("loc", ())) == ("body",):
+            if first.get("type") == "missing":
+                return _error(400, "the request body is empty: send a JSON object", code="empty_body")
+            return _error(400, "the request body must be a JSON object", code="invalid_json")
+        extra = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors
+                 if e.get("type") == "extra_forbidden"]
+        if extra:
+            return _error(400, f"unsupported field{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}: "
+                               "this server does not implement it (remove it from the request)",
+                          extra[0], "unsupported_field")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        code = "invalid_type"
+        code = "invalid_type" if first.get("type") != "value_error" else "invalid_value"
         parts = []
         for e in errors[:4]:
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
@@ -233,12 +413,32 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, str(exc.detail))
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+            if exc.headers and exc.headers.get("Allow"):
+                message += f"; allowed: {exc.headers['Allow']}"
+        elif exc.status_code == 404:
+            message = f"no such route: {request.method} {request.url.path}"
+        return _error(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return _error(500, f"internal error: {exc!r}", code="internal_error", type="server_error")
+        err = internal_error(exc)
+        return _json(err.body(), err.status)
+
+    def _timeout(raw: Request) -> Optional[float]:
+        value = raw.headers.get("x-request-timeout")
+        if value is None:
+            return None
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not seconds > 0 or seconds == float("inf"):
+            raise APIError(400, f"the x-request-timeout header must be a positive number of seconds, got {value!r}",
+                           param="timeout", code="invalid_value")
+        return seconds
 
     async def _generate(raw: Request, make):
         result = await _unless_disconnected(raw, make())
@@ -252,12 +452,14 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         serving = state.require()
-        return await _generate(raw, lambda: serving.create_completion(req))
+        timeout = _timeout(raw)
+        return await _generate(raw, lambda: serving.create_completion(req, timeout))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         serving = state.require()
-        return await _generate(raw, lambda: serving.create_chat_completion(req))
+        timeout = _timeout(raw)
+        return await _generate(raw, lambda: serving.create_chat_completion(req, timeout))
 
     @app.get("/v1/models")
     async def models():
@@ -282,7 +484,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving = state.require()
-        tokens = serving.tokenize(req)
+        tokens = await serving.tokenize(req)
         return _json(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len))
 
     @app.post("/detokenize")
@@ -308,6 +510,51 @@ class ServerArgs:
     access_log: bool = False
     shutdown_timeout: float = 30.0
     skip_tokenizer_init: bool = False
+    trust_request_chat_template: bool = False  # allow chat_template in requests (rendered in a sandbox process)
+    chat_template_timeout: float = 2.0  # seconds a request's chat template may render
+    max_request_body_size: Optional[int] = None  # bytes; default 4 MiB above the largest prompt that fits
+    http_read_timeout: float = 30.0  # seconds to receive a request's headers, and between body chunks
+    request_timeout: Optional[float] = None  # default per-request deadline in seconds (None: none)
+    metrics_prefix: str = "pagedllm"  # metric names are PREFIX:name ("vllm" for vLLM's dashboards)
+
+    def __post_init__(self) -> None:
+        for name in ("shutdown_timeout", "chat_template_timeout", "http_read_timeout", "request_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value}")
+        if self.max_request_body_size is not None and self.max_request_body_size < 1024:
+            raise ValueError(f"max_request_body_size must be >= 1024 bytes, got {self.max_request_body_size}")
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ValueError(f"metrics_prefix must be a metric name prefix such as pagedllm or vllm, "
+                             f"got {self.metrics_prefix!r}")
+
+
+def uvicorn_config(app, args: ServerArgs, **kw):
+    """The uvicorn settings of ``pagedllm serve`` (tests use them too)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=5,
+        http=_h11_protocol(args.http_read_timeout), **kw,
+    )
+
+
+def make_server(app, args: ServerArgs):
+    """A uvicorn Server whose stop signal starts the drain: no new requests, in-flight ones get
+    ``shutdown_timeout`` seconds, then an error (uvicorn itself waits 5 s more for those to go out)."""
+    import uvicorn
+
+    state: ServerState = app.state.server
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            loop = getattr(state, "loop", None)
+            if loop is not None:
+                state.begin_drain(loop, args.shutdown_timeout)
+            super().handle_exit(sig, frame)
+
+    return _Server(uvicorn_config(app, args))
 
 
 def run_server(config: EngineConfig, server_args: ServerArgs,
@@ -315,8 +562,6 @@ def run_server(config: EngineConfig, server_args: ServerArgs,
     """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a graceful stop).
     ``stop_requested`` says whether a stop signal came before this function took over."""
     import signal
-
-    import uvicorn
 
     # A stop signal at any moment (even before uvicorn installs its own handlers, which it
     # restores and re-raises at exit) ends the server gracefully: exit code 0, never -15.
@@ -330,13 +575,10 @@ def run_server(config: EngineConfig, server_args: ServerArgs,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     args = server_args
-    state = ServerState(config, None, args.api_key, skip_tokenizer_init=args.skip_tokenizer_init)
+    state = ServerState(config, None, args.api_key, skip_tokenizer_init=args.skip_tokenizer_init, args=args)
     state.start_loading()  # overlaps model loading with the web stack's start-up
     app = build_app(config, state=state)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout, timeout_keep_alive=5,
-    ))
+    server = make_server(app, args)
     holder["server"] = server
 
     def load_failed(e: BaseException) -> None:

@@ -1,14 +1,18 @@
 """Pydantic models of the OpenAI-compatible API: requests, responses, stream chunks, errors.
 
-Requests ignore unknown fields (clients send vendor extras); types are checked by pydantic (a
-mismatch becomes a 400, see api_server), value ranges by SamplingParams (one source of truth).
+Requests refuse fields this server does not implement (400 naming the field: a silently ignored
+``tools`` or ``response_format`` would be a wrong answer, not an error); types are checked
+strictly by pydantic (``true`` is not an integer, ``"1"`` is not a number; a mismatch becomes a
+400, see api_server); every string must be valid text (a lone UTF-16 surrogate such as
+``"\ud800"`` cannot be encoded, so it is refused, naming the field); value ranges are checked
+by SamplingParams (one source of truth).
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 
 def _now() -> int:
@@ -28,8 +32,30 @@ class ErrorResponse(BaseModel):
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
+def _check_text(value: Any) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"is not valid text: character {e.start} is a lone UTF-16 surrogate "
+                             "(\\ud800-\\udfff), which no UTF-8 text can hold") from None
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _check_text(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k)
+            _check_text(v)
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_text(cls, value: Any) -> Any:
+        _check_text(value)
+        return value
 
 
 class StreamOptions(_Request):
@@ -71,6 +97,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_token_ids: Optional[list[int]] = None
+    # seconds until the request is aborted (default: the server's --request-timeout, if set)
+    timeout: Optional[float] = Field(default=None, gt=0)
 
 
 # ---- /v1/completions -------------------------------------------------------------------------

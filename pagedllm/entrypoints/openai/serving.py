@@ -3,17 +3,28 @@ OpenAI responses (whole, or server-sent-event chunks).
 
 Every prompt of a request is one engine request; a request's streams are merged (StreamSet) and
 closed together, so a client that goes away aborts all of its engine requests. Admission errors
-(bad input, full queue, dead engine) surface before any byte is sent, as HTTP errors.
+(bad input, full queue, dead engine) surface before any byte is sent, as HTTP errors. A request
+past its deadline, or still running when a shutdown's drain time ends, is aborted and ends with
+an error (an error event and ``[DONE]`` when streaming).
+
+Tokenising and chat-template rendering run on worker threads (the light tokenizer releases the
+GIL for long texts), bounded: a text that could never fit max_model_len is refused before it is
+tokenised, and a chat template sent with a request is refused unless the server trusts them
+(``--trust-request-chat-template``), then rendered in a TemplateSandbox (another process,
+bounded in time, memory and output).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import time
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
 from pagedllm.entrypoints.openai import logprobs as lp_format
+from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
     ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
@@ -22,19 +33,29 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
+logger = logging.getLogger("pagedllm.server")
+
 _PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                503: "service_unavailable_error"}
+                405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error"}
+_DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                  408: "request_timeout", 413: "request_too_large", 415: "unsupported_media_type",
+                  429: "queue_full", 500: "internal_error", 503: "unavailable"}
+
 
 
 class APIError(Exception):
-    """An error the client sees as ``{"error": {message, type, param, code}}`` with ``status``."""
+    """An error the client sees as ``{"error": {message, type, param, code}}`` with ``status``
+    (and ``headers``, e.g. Retry-After)."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type: Optional[str] = None) -> None:
+                 type: Optional[str] = None, headers: Optional[dict[str, str]] = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or _DEFAULT_CODES.get(status, "error")
         self.type = type or _ERROR_TYPES.get(status, "server_error")
+        self.headers = headers
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
@@ -44,7 +65,7 @@ def to_api_error(e: BaseException, aliases: Optional[dict[str, str]] = None) -> 
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFullError):
-        return APIError(503, str(e), code="queue_full")
+        return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), code="engine_dead")
     if isinstance(e, RequestFailedError):
@@ -53,7 +74,37 @@ def to_api_error(e: BaseException, aliases: Optional[dict[str, str]] = None) -> 
         first = str(e).split(" ", 1)[0]
         param = (aliases or {}).get(first, first) if first in _PARAM_NAMES else None
         return APIError(400, str(e), param=param, code="invalid_value")
-    return APIError(500, f"internal error: {e!r}", code="internal_error")
+    return internal_error(e)
+
+
+def internal_error(e: BaseException) -> APIError:
+    """A 500 without internal details: the request id, with the traceback in the server log."""
+    rid = request_id_var.get()
+    logger.error("internal error (request id %s)", rid, exc_info=e)
+    return APIError(500, f"internal server error; the server log has the details under request id {rid}",
+                    code="internal_error", type="server_error")
+
+
+class RequestTimeout(APIError):
+    def __init__(self, seconds: float) -> None:
+        super().__init__(408, f"the request did not finish within its timeout of {seconds:g} s and was aborted "
+                              "(set 'timeout' in the body or the x-request-timeout header to allow more)",
+                         param="timeout", code="request_timeout")
+
+
+class ShuttingDown(APIError):
+    def __init__(self) -> None:
+        super().__init__(503, "the server is shutting down and ended this request; retry on another replica",
+                         code="shutting_down")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingOptions:
+    """What the server lets requests do (from ServerArgs)."""
+
+    trust_request_chat_template: bool = False
+    template_sandbox: Any = None  # a TemplateSandbox, needed when request templates are trusted
+    request_timeout: Optional[float] = None  # default deadline in seconds (None: none)
 
 
 def sse(model) -> str:
@@ -61,13 +112,24 @@ def sse(model) -> str:
 
 
 class StreamSet:
-    """One AsyncLLM stream per prompt, merged: iterating yields (prompt index, RequestOutput)."""
+    """One AsyncLLM stream per prompt, merged: iterating yields (prompt index, RequestOutput).
+    Past ``timeout`` seconds, or after ``fail(error)``, iterating raises (and the caller's
+    ``close()`` aborts the engine requests)."""
 
-    def __init__(self, engine, items: list[tuple[Any, SamplingParams, str]]) -> None:
+    def __init__(self, engine, items: list[tuple[Any, SamplingParams, str]], timeout: Optional[float] = None,
+                 live: Optional[set] = None) -> None:
         self._engine, self._items = engine, items
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._errors: list[BaseException] = []
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._live = live if live is not None else set()  # every open set, so a shutdown can end them
+        self._live.add(self)
+
+    def fail(self, error: BaseException) -> None:
+        """End the iteration with ``error`` (from the event loop's thread)."""
+        self._queue.put_nowait((-1, error))
 
     async def start(self) -> "StreamSet":
         for i, (prompt, params, rid) in enumerate(self._items):
@@ -93,7 +155,13 @@ class StreamSet:
     async def __aiter__(self):
         remaining = len(self._tasks)
         while remaining:
-            i, item = await self._queue.get()
+            if self._deadline is None:
+                i, item = await self._queue.get()
+            else:
+                try:
+                    i, item = await asyncio.wait_for(self._queue.get(), max(0.0, self._deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise RequestTimeout(self._timeout) from None
             if item is None:
                 remaining -= 1
             elif isinstance(item, BaseException):
@@ -104,6 +172,7 @@ class StreamSet:
     def close(self) -> None:
         """Cancel every pump: each engine stream is closed, which aborts its request. Synchronous,
         so it is safe inside a cancelled scope."""
+        self._live.discard(self)
         for t in self._tasks:
             if not t.done():
                 t.cancel()
@@ -128,8 +197,11 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine, served_model_names: list[str], model_path: str) -> None:
+    def __init__(self, engine, served_model_names: list[str], model_path: str,
+                 options: Optional[ServingOptions] = None) -> None:
         self.engine = engine
+        self.options = options or ServingOptions()
+        self.live_streams: set[StreamSet] = set()
         self.tokenizer = engine.tokenizer
         self.input_processor = engine.engine.input_processor
         self.vocab_size = self.input_processor.vocab_size
@@ -185,18 +257,31 @@ class OpenAIServing:
             )
         return params
 
-    def _process(self, prompt, param: str) -> tuple[Optional[str], list[int]]:
+    async def _process(self, prompt, param: str) -> tuple[Optional[str], list[int]]:
+        """Validate and tokenise a prompt on a worker thread (never on the event loop)."""
         try:
-            return self.input_processor.process(prompt)
+            return await asyncio.to_thread(self.input_processor.process, prompt)
         except ValueError as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
             raise APIError(400, str(e), param=param, code=code) from None
 
-    async def _start(self, items) -> StreamSet:
+    def _timeout(self, req, timeout: Optional[float]) -> Optional[float]:
+        """The request's deadline in seconds: the body's ``timeout``, else the x-request-timeout
+        header (``timeout``), else the server's default."""
+        return req.timeout or timeout or self.options.request_timeout
+
+    async def _start(self, items, timeout: Optional[float] = None) -> StreamSet:
         try:
-            return await StreamSet(self.engine, items).start()
+            return await StreamSet(self.engine, items, timeout, self.live_streams).start()
         except Exception as e:
             raise to_api_error(e) from None
+
+    def end_all(self, error: BaseException) -> int:
+        """End every open request with ``error`` (shutdown); returns how many there were."""
+        streams = list(self.live_streams)
+        for st in streams:
+            st.fail(error)
+        return len(streams)
 
     @staticmethod
     def _usage(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
@@ -218,7 +303,7 @@ class OpenAIServing:
             return [prompt]
         return list(prompt)
 
-    async def create_completion(self, req: CompletionRequest):
+    async def create_completion(self, req: CompletionRequest, timeout: Optional[float] = None):
         model = self.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
@@ -226,7 +311,7 @@ class OpenAIServing:
             raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
         if req.echo and req.logprobs is not None and self.tokenizer is None:
             raise APIError(400, "echo with logprobs needs a tokenizer", param="echo")
-        prompts = [self._process(p, "prompt") for p in self._completion_prompts(req.prompt)]
+        prompts = [await self._process(p, "prompt") for p in self._completion_prompts(req.prompt)]
         rid = f"cmpl-{uuid.uuid4().hex}"
         items = []
         for i, (text, ids) in enumerate(prompts):
@@ -236,7 +321,7 @@ class OpenAIServing:
             params = self.sampling_params(req, len(ids), req.max_tokens, req.logprobs,
                                           req.logprobs if req.echo else None)
             items.append(({"prompt_token_ids": ids, "prompt": text}, params, f"{rid}-{i}"))
-        streams = await self._start(items)
+        streams = await self._start(items, self._timeout(req, timeout))
         if req.stream:
             return streams, self._completion_stream(req, streams, rid, model, prompts)
         return await self._completion_full(req, streams, rid, model, prompts)
@@ -309,7 +394,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
-    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages", code="invalid_value")
         if self.tokenizer is None:
@@ -325,16 +410,37 @@ class OpenAIServing:
             if m.name:
                 d["name"] = m.name
             messages.append(d)
-        from pagedllm.tokenizer.tokenizer import apply_chat_template
+        from pagedllm.tokenizer.chat_template import TemplateLimitError
+        from pagedllm.tokenizer.tokenizer import apply_chat_template, render_request_template
 
+        limit = self.input_processor.max_prompt_chars
+        if limit and sum(len(m["content"]) for m in messages) > limit:
+            raise APIError(400, f"the messages hold more than the {limit} characters that max_model_len "
+                                f"({self.max_model_len} tokens) could ever hold", param="messages",
+                           code="context_length_exceeded")
+        template = getattr(req, "chat_template", None)
+        if template is not None:
+            if not self.options.trust_request_chat_template or self.options.template_sandbox is None:
+                raise APIError(400, "chat_template in a request is not allowed on this server (the server's "
+                                    "--trust-request-chat-template allows it)", param="chat_template",
+                               code="chat_template_not_allowed")
+            try:
+                return await asyncio.to_thread(render_request_template, self.tokenizer,
+                                               self.options.template_sandbox, template, messages,
+                                               req.add_generation_prompt)
+            except TemplateLimitError as e:
+                raise APIError(400, f"the chat template exceeded its limits: {e}", param="chat_template",
+                               code="chat_template_limit") from None
+            except Exception as e:  # template errors are caused by the input
+                raise APIError(400, f"could not apply the chat template: {e}", param="chat_template") from None
         try:
-            return apply_chat_template(self.tokenizer, messages, req.add_generation_prompt, req.chat_template)
+            return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages, req.add_generation_prompt)
         except Exception as e:  # template errors are caused by the input
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
 
-    async def create_chat_completion(self, req: ChatCompletionRequest):
+    async def create_chat_completion(self, req: ChatCompletionRequest, timeout: Optional[float] = None):
         model = self.check_model(req.model)
-        ids = self._process({"prompt_token_ids": self._chat_prompt(req)}, "messages")[1]
+        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req)}, "messages"))[1]
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -343,7 +449,7 @@ class OpenAIServing:
         params = self.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       aliases=aliases)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start([({"prompt_token_ids": ids}, params, rid)])
+        streams = await self._start([({"prompt_token_ids": ids}, params, rid)], self._timeout(req, timeout))
         if req.stream:
             return streams, self._chat_stream(req, streams, rid, model, len(ids))
         return await self._chat_full(req, streams, rid, model, len(ids))
@@ -402,16 +508,21 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- /tokenize, /detokenize -------------------------------------------------------------
-    def tokenize(self, req) -> list[int]:
+    async def tokenize(self, req) -> list[int]:
         self.check_model(req.model)
         if self.tokenizer is None:
             raise APIError(400, "this server has no tokenizer", param="prompt")
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "pass exactly one of prompt or messages", param="prompt")
         if req.prompt is not None:
-            return list(self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            try:
+                self.input_processor.check_text_length(req.prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
+            return list(await asyncio.to_thread(self.tokenizer.encode, req.prompt,
+                                                add_special_tokens=req.add_special_tokens))
         chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
-        return self._chat_prompt(chat)
+        return await self._chat_prompt(chat)
 
     def detokenize(self, req) -> str:
         self.check_model(req.model)
