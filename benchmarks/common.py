@@ -10,6 +10,9 @@ MODELS = {
                        intermediate_size=688),
     "llama-100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
                        intermediate_size=2048),
+    # A TinyLlama-1.1B-shaped model: memory-bandwidth-bound decode (2.2 GB of bf16 weights).
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     intermediate_size=5632),
 }
 CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "bench-models")
 
