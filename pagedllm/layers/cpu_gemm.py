@@ -66,17 +66,17 @@ def pack_weight(weight: torch.Tensor, compute_dtype: torch.dtype) -> nn.Paramete
     return nn.Parameter(packed, requires_grad=False)
 
 
-def pack_panels(weight: torch.Tensor) -> nn.Parameter:
-    """``weight`` [N, K] as [ceil(N / 16), K, 16] panels for ``kernels.packed_linear``:
-    panels[p, k, j] = weight[16 p + j, k], zero past N. The parameter carries N as
-    ``panel_out_features``."""
-    n, k = weight.shape
-    p = -(-n // PANEL)
-    w = weight.detach()
-    if p * PANEL != n:
-        w = F.pad(w, (0, 0, 0, p * PANEL - n))
-    packed = nn.Parameter(w.reshape(p, PANEL, k).transpose(1, 2).contiguous(), requires_grad=False)
-    packed.panel_out_features = n  # type: ignore[attr-defined]
+def pack_panels(weight: torch.Tensor, kernels=None) -> nn.Parameter:
+    """``weight`` [N, K] (float32 or bfloat16) packed for ``kernels.packed_linear`` by the kernels
+    module itself (``pack_linear_weight``), in the layout its compiled GEMM path uses
+    (``kernels.gemm_path()``): 16-column panels [ceil(N / 16), K, 16], or for bf16 weights on
+    the avx512_bf16 path [ceil(N / 16), ceil(K / 2), 32] with k in pairs. ``kernels`` defaults to
+    the loaded module. The parameter carries N as ``panel_out_features`` and the module that
+    packed it as ``panel_kernels`` (layouts differ between ISA levels)."""
+    module = kernels if kernels is not None else cpu_kernels.load()
+    packed = nn.Parameter(module.pack_linear_weight(weight.detach()), requires_grad=False)
+    packed.panel_out_features = weight.shape[0]  # type: ignore[attr-defined]
+    packed.panel_kernels = module  # type: ignore[attr-defined]
     return packed
 
 
@@ -86,11 +86,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     if n is not None:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.dtype != torch.float32:
+        if x2.dtype != torch.float32 and x2.dtype != torch.bfloat16:
             x2 = x2.float()
         b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
-        y = cpu_kernels.load().packed_linear(x2.contiguous(), weight, n, b)  # loaded: it packed the weight
-        if x.dtype != torch.float32:
+        y = weight.panel_kernels.packed_linear(x2.contiguous(), weight, n, b)  # float32 or bf16, as x2
+        if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y.reshape(*lead, n)
     if not weight.is_mkldnn:
@@ -110,10 +110,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype) -> int:
     """Replace every packable module's ``weight`` (modules with ``packable_weight = True``) by its
     packed form -- pagedllm's panels when the C++ kernels are loaded (the worker loads them first
-    unless EngineConfig.cpu_kernels is off), else oneDNN's -- and return how many were packed. A weight shared with another module (a tied LM
-    head shares the embedding table) gets its own packed copy, the original stays dense."""
-    if model_dtype in (torch.float32, torch.bfloat16) and cpu_kernels.ready() is not None:
-        pack = pack_panels
+    unless EngineConfig.cpu_kernels is off), else oneDNN's -- and return how many were packed. A
+    weight shared with another module (a tied LM head shares the embedding table) gets its own
+    packed copy, the original stays dense."""
+    kernels = cpu_kernels.ready()
+    if model_dtype in (torch.float32, torch.bfloat16) and kernels is not None:
+
+        def pack(w: torch.Tensor) -> nn.Parameter:
+            return pack_panels(w, kernels)
     else:
         compute = packed_compute_dtype(model_dtype)
         if compute is None:

@@ -1,19 +1,86 @@
-"""Packed CPU linear weights (layers/cpu_gemm.py): pagedllm's panel GEMM (kernels/csrc/packed_gemm.h)
-and the oneDNN fallback compute the same products as F.linear -- every row count regime (the
-decode-sized and the blocked prefill-sized loop, microkernel row tails), column counts that are
-not a multiple of the 16-column panel, K blocks with tails, bias, bf16 weights -- and tied LM
-heads keep a dense embedding table."""
+"""Packed CPU linear weights (layers/cpu_gemm.py): pagedllm's packed GEMM (kernels/csrc/packed_gemm.h)
+and the oneDNN fallback compute the same products as F.linear -- on every GEMM path this CPU can
+run (scalar, avx2, avx512, avx512_bf16: each ISA level's build, the others skipped naming the CPU
+flags they need), every row count regime (the decode-sized and the blocked prefill-sized loop,
+microkernel row tails), column counts that are not a multiple of the 16-column panel or of the
+microkernel's panels, odd K and K blocks with tails, bias, float32 and bf16 weights and
+activations -- and tied LM heads keep a dense embedding table."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.kernels import isa
 from pagedllm.layers import cpu_gemm
 
 
 def reference(x, w, b=None):
     return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+# ISA level -> the GEMM path its build compiles (gemm_path()).
+GEMM_PATHS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512_bf16"}
+
+
+@pytest.fixture(scope="module", params=list(GEMM_PATHS))
+def level_kernels(request):
+    """The kernels built for one ISA level, skipped where this CPU lacks the level's flags."""
+    level = request.param
+    lacking = isa.missing(isa.level(level))
+    if lacking:
+        pytest.skip(f"the {level} GEMM path needs CPU flags this CPU lacks: {', '.join(lacking)}")
+    module = cpu_kernels.select_and_load(level=level)
+    if module is None:
+        pytest.skip(f"the {level} kernels could not be built (no C++ compiler?)")
+    assert module.gemm_path() == GEMM_PATHS[level]
+    return module
+
+
+def test_loaded_kernels_report_their_gemm_path(kernels):
+    assert kernels.gemm_path() in GEMM_PATHS.values()
+    assert kernels.gemm_path() == GEMM_PATHS.get(kernels.isa, "avx512_bf16")  # amx builds use avx512_bf16
+
+
+def _check(y, x, w, bias, kernels):
+    """y against float64 products of the inputs as the path rounds them: with bf16 weights the
+    avx512_bf16 path multiplies bf16 x (x rounded to bf16 once), the others x as given. float32
+    output: float32 accumulation error only; bf16 output: plus one rounding."""
+    xr = x.to(torch.bfloat16) if w.dtype == torch.bfloat16 and kernels.gemm_path() == "avx512_bf16" else x
+    exact = reference(xr, w, bias)
+    scale = F.linear(xr.double().abs(), w.double().abs())  # sum of |x w| per output
+    bound = 1e-6 * scale + 1e-6
+    if y.dtype == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0**-8
+    err = (y.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g}, worst bound excess {(err - bound).max():.3g}"
+
+
+SHAPES = [(96, 48), (40, 301), (13, 24), (1, 7), (100, 777), (600, 40), (50, 520)]  # (N, K)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 8, 64, 96, 97, 300])
+def test_every_gemm_path_matches_the_rounded_inputs_product(level_kernels, rows):
+    for n, k in SHAPES:
+        g = torch.Generator().manual_seed(rows * 1000 + n + k)
+        w32 = torch.randn(n, k, generator=g)
+        x32 = torch.randn(rows, k, generator=g)
+        b = torch.randn(n, generator=g)
+        for wdt in (torch.float32, torch.bfloat16):
+            w = w32.to(wdt)
+            packed = cpu_gemm.pack_panels(w, level_kernels)
+            assert packed.panel_out_features == n and packed.panel_kernels is level_kernels
+            assert packed.dtype == wdt  # no float32 copy of a bf16 weight
+            if wdt == torch.bfloat16 and level_kernels.gemm_path() == "avx512_bf16":
+                assert packed.shape == (-(-n // 16), -(-k // 2), 32)  # k in pairs for vdpbf16ps
+            else:
+                assert packed.shape == (-(-n // 16), k, 16)
+            for xdt in (torch.float32, torch.bfloat16):
+                x = x32.to(xdt)
+                for bias in (None, b):
+                    y = cpu_gemm.linear(x, packed, bias)
+                    assert y.shape == (rows, n) and y.dtype == xdt
+                    _check(y, x, w, bias, level_kernels)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 64, 96, 97, 200])
@@ -74,8 +141,12 @@ def test_panel_gemm_rejects_mismatched_shapes(kernels):
     packed = cpu_gemm.pack_panels(torch.randn(32, 16))
     with pytest.raises(RuntimeError, match="packed"):
         kernels.packed_linear(torch.randn(3, 24), packed, 32, None)
+    with pytest.raises(RuntimeError, match="packed"):
+        kernels.packed_linear(torch.randn(3, 16), packed, 48, None)  # N of another weight
     with pytest.raises(RuntimeError, match="bias"):
         kernels.packed_linear(torch.randn(3, 16), packed, 32, torch.randn(31))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 x"):
+        kernels.packed_linear(torch.randn(3, 16).double(), packed, 32, None)
 
 
 onednn = pytest.mark.skipif(not cpu_gemm.packing_available(), reason="torch built without oneDNN")

@@ -9,5 +9,9 @@ Tensor packed_linear(Tensor x, Tensor packed, int64_t out_features, std::optiona
   return pagedllm::packed_linear(x, packed, out_features, bias);
 }
 
+Tensor pack_linear_weight(Tensor weight) { return pagedllm::pack_linear_weight(weight); }
+
+std::string gemm_path() { return pagedllm::gemm_path(); }
+
 }  // namespace ops
 }  // namespace pagedllm

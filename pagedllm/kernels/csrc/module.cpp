@@ -48,7 +48,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "causal attention of prompt chunks over the KV cache blocks (cached prefix + the chunk)");
   m.def("packed_linear", &packed_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
-        py::arg("bias") = py::none(), "y = x w^T (+ bias) with w packed in 16-column panels");
+        py::arg("bias") = py::none(), "y = x w^T (+ bias) with w packed by pack_linear_weight; x's dtype out");
+  m.def("pack_linear_weight", &pack_linear_weight, py::arg("weight"),
+        "w [N, K] packed in 16-column panels in the layout this build's GEMM path uses");
+  m.def("gemm_path", &gemm_path, "the GEMM path compiled: avx512_bf16, avx512, avx2 or scalar");
   m.def("rms_norm", &rms_norm, "out = rms_norm(x) * weight");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) * weight (in place)");
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]");

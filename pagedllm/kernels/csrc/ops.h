@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace pagedllm {
 namespace ops {
@@ -21,6 +22,8 @@ void paged_prefill_attention(Tensor out, Tensor query, Tensor key_cache, Tensor 
 
 // gemm.cpp
 Tensor packed_linear(Tensor x, Tensor packed, int64_t out_features, std::optional<Tensor> bias);
+Tensor pack_linear_weight(Tensor weight);
+std::string gemm_path();
 
 // fused_ops.cpp
 void rms_norm(Tensor out, Tensor x, Tensor weight, double eps);

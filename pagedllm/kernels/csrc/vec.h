@@ -1,6 +1,8 @@
 // 8-lane float helpers shared by the CPU kernels: loads/stores from float32 or bfloat16
-// memory, a vectorised exp, horizontal reductions. AVX2+FMA only; every kernel also has a
-// scalar path for CPUs without it (PAGEDLLM_AVX2 undefined).
+// memory, a vectorised exp, horizontal reductions (AVX2+FMA); every kernel also has a scalar
+// path for CPUs without it (PAGEDLLM_AVX2 undefined). Builds for AVX-512 (F/BW/VL/DQ, x86-64-v4)
+// also get PAGEDLLM_AVX512 and 16-lane helpers (load16/store16 with tail masks), and with
+// AVX512-BF16 PAGEDLLM_AVX512_BF16 (vdpbf16ps, vcvtneps2bf16); AVX2 helpers stay defined there.
 #pragma once
 
 #include "tensor.h"
@@ -11,6 +13,13 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PAGEDLLM_AVX2 1
+#endif
+#if defined(PAGEDLLM_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define PAGEDLLM_AVX512 1
+#endif
+#if defined(PAGEDLLM_AVX512) && defined(__AVX512BF16__)
+#define PAGEDLLM_AVX512_BF16 1
 #endif
 
 namespace pagedllm {
@@ -69,6 +78,39 @@ inline float hmax(__m256 v) {
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+#endif
+
+#ifdef PAGEDLLM_AVX512
+// Lanes [0, n) set (all 16 for n >= 16, none for n <= 0).
+inline __mmask16 lanes16(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> f32 is exact: the bits shifted up
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// Lanes outside the mask read as 0 and touch no memory.
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// float -> bfloat16, round to nearest even (as c10::BFloat16 does for finite values).
+inline __m256i to_bf16x16(__m512 v) {
+#ifdef PAGEDLLM_AVX512_BF16
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16));
+#endif
+}
+inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
+  _mm256_mask_storeu_epi16(p, m, to_bf16x16(v));
 }
 #endif
 
