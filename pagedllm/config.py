@@ -24,7 +24,8 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None  # bytes; CPU default 2 GiB (capped by what can be used)
+    kv_cache_memory: Optional[int] = None  # bytes (CPU); None: sized from the memory available (cpu_memory_utilization)
+    cpu_memory_utilization: float = 0.5  # CPU: fraction of the available host memory for KV cache + activations
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: Optional[int] = None
     max_num_seqs: int = 256
@@ -37,6 +38,7 @@ class EngineConfig:
     served_model_name: Optional[str] = None
     max_waiting_requests: Optional[int] = None  # sequences waiting beyond max_num_seqs; default 4 x max_num_seqs
     max_n: int = 128  # most sequences (n) one request may ask for
+    generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": ignore it; or a directory
     # CPU settings (defaults may be overridden by the variables listed in envs.py).
     cpu_kernels: bool = field(default_factory=envs.cpu_kernels_enabled)
     kernel_cache_dir: str = field(default_factory=envs.kernel_cache_dir)
@@ -53,6 +55,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not (0.0 < self.cpu_memory_utilization <= 1.0):
+            raise ValueError(f"cpu_memory_utilization must be in (0, 1], got {self.cpu_memory_utilization}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_seqs < 1:
@@ -75,6 +79,9 @@ class EngineConfig:
             cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size)  # raises if malformed
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local directory with config.json and safetensors weights: {self.model!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError("generation_config must be 'auto' (the model's generation_config.json), 'vllm' (ignore "
+                             f"it) or a directory holding a generation_config.json, got {self.generation_config!r}")
 
 
 def resolve_max_waiting_requests(config: EngineConfig) -> int:
@@ -91,6 +98,24 @@ def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:
     if requested > limit:
         raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
     return requested
+
+
+def fit_max_model_len(num_blocks: int, block_size: int, max_model_len: int, user_set: bool) -> int:
+    """The context length the KV cache can serve: ``max_model_len`` if one sequence of that many
+    tokens fits in ``num_blocks`` blocks; else, when the user did not set it, what fits (the
+    caller logs it); when they did, a ValueError naming the largest value that fits."""
+    fits = num_blocks * block_size
+    if fits >= max_model_len:
+        return max_model_len
+    more = "give the KV cache more memory (kv_cache_memory, cpu_memory_utilization or gpu_memory_utilization)"
+    if fits < 2:
+        raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens: not even one sequence "
+                         f"fits; {more}")
+    if user_set:
+        raise ValueError(f"max_model_len {max_model_len} does not fit in the KV cache ({num_blocks} blocks x "
+                         f"{block_size} tokens = {fits} tokens); the largest max_model_len that fits is {fits}: "
+                         f"pass max_model_len <= {fits}, or {more}")
+    return fits
 
 
 def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> int:

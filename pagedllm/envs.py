@@ -13,6 +13,7 @@ API key, which operators prefer to keep out of process listings.
 | PAGEDLLM_CPU_THREADS_BIND=...     | EngineConfig.cpu_threads_bind       |
 | PAGEDLLM_API_KEY                  | ``pagedllm serve --api-key``        |
 | CXX                               | the CPU kernels' compiler (c++)     |
+| LOCAL_WORLD_SIZE (set by torchrun) | ranks sharing this host's memory    |
 """
 from __future__ import annotations
 
@@ -60,3 +61,12 @@ def cpu_threads_bind() -> Optional[str]:
 
 def api_key() -> Optional[str]:
     return _get("PAGEDLLM_API_KEY")
+
+
+def local_world_size() -> Optional[int]:
+    """Ranks on this host when torchrun launched the process (they share its memory), else None."""
+    value = _get("LOCAL_WORLD_SIZE")
+    try:
+        return int(value) if value is not None and int(value) >= 1 else None
+    except ValueError:
+        return None

@@ -21,6 +21,10 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.max_model_len)
         self.executor: Executor = self._make_executor()
+        if self.executor.max_model_len != self.max_model_len:  # the KV cache holds less: the scheduler's limits follow
+            self.max_model_len = self.executor.max_model_len
+            self.max_num_batched_tokens = min(self.max_num_batched_tokens,
+                                              resolve_max_num_batched_tokens(config, self.max_model_len))
         self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(
             max_num_seqs=config.max_num_seqs,

@@ -21,12 +21,17 @@ _HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "seed": "global random seed",
     "block_size": "tokens per KV cache block (a power of two)",
-    "kv_cache_memory": "KV cache budget on CPU, in bytes or with a unit (512MiB, 2GiB); default 2GiB",
+    "kv_cache_memory": "KV cache budget on CPU, in bytes or with a unit (512MiB, 2GiB); overrides "
+                       "--cpu-memory-utilization (default: sized from the memory available)",
+    "cpu_memory_utilization": "CPU: fraction of the memory available to the process after loading the weights "
+                              "(MemAvailable, cgroup limits respected; shared by the tensor-parallel ranks on one "
+                              "host) that the KV cache and one step's activations may use (default 0.5)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights + activations + KV cache)",
     "num_gpu_blocks_override": "use exactly this many KV cache blocks",
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one step",
-    "max_model_len": "context length (prompt + output); default: the model's max_position_embeddings",
+    "max_model_len": "context length (prompt + output); default: the model's max_position_embeddings, lowered "
+                     "to what the KV cache holds (an explicit value that does not fit is an error)",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps",
     "tensor_parallel_size": "number of tensor parallel ranks",
@@ -34,6 +39,9 @@ _HELP = {
     "max_waiting_requests": "sequences (n per request) that may wait beyond the running batch; past it new requests "
                             "get 429 with Retry-After (default: 4 x max_num_seqs)",
     "max_n": "most sequences (n) one request may ask for (default 128)",
+    "generation_config": "default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
+                         "max_new_tokens) for requests that leave them unset: auto (the model's "
+                         "generation_config.json), vllm (ignore it), or a directory holding a generation_config.json",
     "cpu_kernels": "use pagedllm's C++ CPU kernels (built for this CPU on first use; env PAGEDLLM_DISABLE_CPU_KERNELS=1 "
                    "turns the default off); --no-cpu-kernels runs the pure-torch paths",
     "kernel_cache_dir": "where built CPU kernels are cached (default: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels)",

@@ -15,6 +15,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 @runtime_checkable
 class Executor(Protocol):
     num_blocks: int  # KV cache blocks per rank (the same on every rank)
+    max_model_len: int  # the context length served: lowered to what the KV cache holds unless the user set it
 
     @property
     def num_forward_tokens(self) -> int:

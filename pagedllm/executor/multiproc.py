@@ -47,8 +47,11 @@ def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank
 
 
 def _agree_num_blocks(worker, group) -> int:
+    """Every rank sizes its cache once all have loaded their weights (they share a host's memory),
+    then all take the smallest block count."""
     import torch.distributed as dist
 
+    dist.barrier(group=group.cpu_group)
     n = torch.tensor([worker.determine_num_blocks()], dtype=torch.long)
     dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group.cpu_group)
     return int(n.item())
@@ -82,6 +85,7 @@ def _spawned_main(rank, world_size, port, args) -> None:
 
 class MultiprocExecutor:
     num_blocks: int
+    max_model_len: int
     weight_bytes_per_rank: list[int]
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -121,6 +125,7 @@ class MultiprocExecutor:
             self.worker, self.group = _build_worker(*args, 0, world)
             self.num_blocks = _agree_num_blocks(self.worker, self.group)
             self.worker.initialize_cache(self.num_blocks)
+            self.max_model_len = self.worker.max_model_len  # every rank fitted the same value
             import torch.distributed as dist
 
             sizes = [None] * world

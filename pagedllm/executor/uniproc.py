@@ -6,6 +6,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 
 class UniprocExecutor:
     num_blocks: int
+    max_model_len: int
     is_dead = False  # an exception in the in-process worker leaves it usable for other requests
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -17,6 +18,7 @@ class UniprocExecutor:
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
+        self.max_model_len = self.worker.max_model_len  # lowered to what the cache holds if not set
 
     @property
     def num_forward_tokens(self) -> int:

@@ -6,19 +6,20 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.selector import get_attention_backend
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, fit_max_model_len
 from pagedllm.models.loader import load_weights
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
 from pagedllm.worker.cpu_threads import configure_cpu_threads
+from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,6 +113,8 @@ class Worker:
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
         self.backend = get_attention_backend(self.device)
         self.num_blocks = 0
+        self.activation_bytes = 0  # measured (CUDA) or estimated (CPU) peak of one step
+        self.budget_note = ""  # where the KV cache budget came from, for the start-up plan
         self.kv_cache: torch.Tensor | None = None
         self.runner: ModelRunner | None = None
 
@@ -122,11 +125,33 @@ class Worker:
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget()
         else:
-            budget = self.config.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+            budget = self._cpu_budget()
         num_blocks = int(budget // spec.bytes_per_block)
         # Never allocate more than every sequence at full length could use.
         useful = self.config.max_num_seqs * -(-self.max_model_len // spec.block_size)
+        if num_blocks > useful:
+            self.budget_note += f"; capped at max_num_seqs x max_model_len ({useful} blocks)"
         return min(num_blocks, useful)
+
+    def _cpu_budget(self) -> int:
+        """kv_cache_memory if set; else this rank's share of cpu_memory_utilization x the host
+        memory still available (cgroup limits respected), less one step's activations."""
+        tp = get_tp_group()
+        self.activation_bytes = estimate_activation_bytes(
+            self.hf_config, self.max_num_batched_tokens, self.config.max_num_seqs,
+            torch.empty((), dtype=self.dtype).element_size(), tp.world_size, self.max_model_len,
+            torch_attention=(self.cpu_description or {}).get("kernels") != "loaded")
+        if self.config.kv_cache_memory is not None:
+            self.budget_note = f"kv_cache_memory {gib(self.config.kv_cache_memory)} (set explicitly)"
+            return self.config.kv_cache_memory
+        host = read_host_memory()
+        ranks = envs.local_world_size() or tp.world_size
+        budget = cpu_kv_budget(host, self.config.cpu_memory_utilization, ranks, self.activation_bytes)
+        self.budget_note = (f"{gib(host.available)} available ({host.describe()}) x cpu_memory_utilization "
+                            f"{self.config.cpu_memory_utilization:g}" + (f" / {ranks} ranks on this host" if ranks > 1
+                                                                         else "")
+                            + " - activations = " + gib(budget))
+        return budget
 
     def _profile_cuda_budget(self) -> int:
         torch.cuda.empty_cache()
@@ -137,17 +162,27 @@ class Worker:
 
         peak = profile_peak_forward(self, self.max_num_batched_tokens)
         used_now = total - free
-        budget = total * self.config.gpu_memory_utilization - used_now - peak
-        return int(max(budget, 0))
+        budget = int(max(total * self.config.gpu_memory_utilization - used_now - peak, 0))
+        self.activation_bytes = int(peak)
+        self.budget_note = (f"{gib(total)} x gpu_memory_utilization {self.config.gpu_memory_utilization:g} - "
+                            f"{gib(used_now)} in use - activations = {gib(budget)}")
+        return budget
 
     def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` (the same on every rank); lower max_model_len to what they hold
+        when the user did not set it (every rank computes the same value)."""
         spec = self.kv_spec
-        if num_blocks * spec.block_size < self.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {num_blocks} blocks x {spec.block_size} tokens = "
-                f"{num_blocks * spec.block_size} tokens, fewer than max_model_len ({self.max_model_len}): "
-                f"raise kv_cache_memory / gpu_memory_utilization or lower max_model_len"
-            )
+        leader = get_tp_group().rank == 0
+        try:
+            fitted = fit_max_model_len(num_blocks, spec.block_size, self.max_model_len,
+                                       user_set=self.config.max_model_len is not None)
+        except ValueError as e:
+            raise ValueError(f"{e} (KV cache budget: {self.budget_note or '?'})") from None
+        if fitted != self.max_model_len and leader:
+            logger.warning("max_model_len lowered from %d (the model's max_position_embeddings) to %d, what the KV "
+                           "cache holds (%d blocks x %d tokens); give it more memory for longer contexts",
+                           self.max_model_len, fitted, num_blocks, spec.block_size)
+        self.max_model_len = fitted
         self.num_blocks = num_blocks
         shape = (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":
@@ -167,14 +202,16 @@ class Worker:
                                            -(-self.max_model_len // spec.block_size), self.max_model_len, self.device)
                 graphs.capture()
                 self.runner.graph_runner = graphs
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), max concurrency at max_model_len %d: %.1f",
-            num_blocks,
-            spec.block_size,
-            num_blocks * spec.bytes_per_block / 2**20,
-            self.max_model_len,
-            num_blocks * spec.block_size / self.max_model_len,
-        )
+        if leader:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            tokens = num_blocks * spec.block_size
+            logger.info("memory plan (per rank): weights %s; activations %s%s (%d tokens per step); KV cache %s = %d "
+                        "blocks x %d tokens = %d tokens (%s per token); max concurrency at max_model_len %d: %.1f",
+                        gib(weights), "~" if self.device.type == "cpu" else "", gib(self.activation_bytes),
+                        self.max_num_batched_tokens, gib(num_blocks * spec.bytes_per_block), num_blocks,
+                        spec.block_size, tokens, gib(spec.bytes_per_block // spec.block_size), self.max_model_len,
+                        tokens / self.max_model_len)
+            logger.info("KV cache budget: %s", self.budget_note)
 
     def execute(self, scheduler_output):
         return self.runner.execute(scheduler_output)
