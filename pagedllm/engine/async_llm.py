@@ -54,6 +54,7 @@ class AsyncLLM:
         self.engine = engine or LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.default_sampling_params = self.engine.default_sampling_params  # from generation_config.json
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}

@@ -15,7 +15,7 @@ from typing import Optional
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.engine.core import EngineCore
-from pagedllm.models.config_json import load_hf_config
+from pagedllm.models.config_json import load_generation_defaults, load_hf_config
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.outputs import RequestOutput
@@ -73,6 +73,12 @@ class LLMEngine:
         self.hf_config = hf_config
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = _eos_ids(config.model, hf_config, self.tokenizer)
+        # The model's recommended sampling defaults, for requests that leave those fields unset.
+        self.default_sampling_params = load_generation_defaults(config.model, config.generation_config)
+        if self.default_sampling_params:
+            logger.info("default sampling parameters from the model's generation_config.json: %s (used where a "
+                        "request leaves them unset; --generation-config vllm ignores them)",
+                        self.default_sampling_params)
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.parents: dict[str, _Parent] = {}

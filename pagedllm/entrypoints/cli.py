@@ -108,10 +108,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline and print it")
     gen.add_argument("prompt", nargs="*", help="prompts (default: read one prompt per line from stdin)")
     gen.add_argument("--model", default=None, help="model directory (default: the embedded tiny-shakespeare)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=1.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    unset = " (default: the model's generation_config.json, else %s)"
+    gen.add_argument("--max-tokens", type=int, default=None, help="tokens to generate" + unset % 64)
+    gen.add_argument("--temperature", type=float, default=None, help="0 = greedy" + unset % 1.0)
+    gen.add_argument("--top-p", type=float, default=None, help="nucleus sampling" + unset % 1.0)
+    gen.add_argument("--top-k", type=int, default=None, help="top-k sampling, 0 = off" + unset % 0)
     gen.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
@@ -163,9 +164,11 @@ def _generate(args: argparse.Namespace) -> int:
     from pagedllm.sampling_params import SamplingParams
 
     config = engine_config_from_args(args)
-    params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.sampling_seed, max_tokens=args.max_tokens)
     llm = LLM(**dataclasses.asdict(config))
+    given = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "max_tokens": args.max_tokens}
+    params = SamplingParams(**{"max_tokens": 64, **llm.engine.default_sampling_params,
+                               **{k: v for k, v in given.items() if v is not None},
+                               "n": args.n, "seed": args.sampling_seed})
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     else:

@@ -27,6 +27,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json recommendations (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over the defaults;
+        what ``generate`` and ``chat`` use when given no sampling params (EngineConfig
+        generation_config="vllm" ignores the file)."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     # ---- generation -------------------------------------------------------------------------
     def generate(
         self,
@@ -67,10 +74,9 @@ class LLM:
         ]
         return self._run(items, self._expand_params(sampling_params, len(items)), use_tqdm)
 
-    @staticmethod
-    def _expand_params(sp, n: int) -> list[SamplingParams]:
+    def _expand_params(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
         sp = list(sp)

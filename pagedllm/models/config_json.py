@@ -90,3 +90,38 @@ def load_hf_config(model_dir: str):
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:
         raise ValueError(f"could not read a model config from {model_dir!r}: {e}") from e
+
+
+# Sampling fields a generation_config.json may recommend (vLLM reads the same ones).
+GENERATION_DEFAULT_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+
+
+def load_generation_defaults(model_dir: str, source: str = "auto") -> dict[str, Any]:
+    """The model's recommended sampling defaults as SamplingParams keyword arguments
+    (``max_new_tokens`` becomes ``max_tokens``): from ``model_dir/generation_config.json`` when
+    ``source`` is "auto", from ``source/generation_config.json`` when it names a directory, none
+    for "vllm". Values that SamplingParams refuses are an error naming the file and field."""
+    if source == "vllm":
+        return {}
+    path = os.path.join(model_dir if source == "auto" else source, "generation_config.json")
+    if not os.path.isfile(path):
+        if source != "auto":
+            raise ValueError(f"generation_config: {path} does not exist")
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    out = {k: data[k] for k in GENERATION_DEFAULT_KEYS if data.get(k) is not None}
+    if "max_new_tokens" in out:
+        out["max_tokens"] = out.pop("max_new_tokens")
+    from pagedllm.sampling_params import SamplingParams
+
+    try:
+        SamplingParams(**out)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e} (--generation-config vllm ignores the file)") from None
+    return out

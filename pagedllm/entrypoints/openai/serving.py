@@ -206,6 +206,7 @@ class OpenAIServing:
         self.input_processor = engine.engine.input_processor
         self.vocab_size = self.input_processor.vocab_size
         self.max_model_len = engine.max_model_len
+        self.default_sampling_params: dict[str, Any] = dict(getattr(engine, "default_sampling_params", None) or {})
         self.served_model_names = list(served_model_names)
         self._accepted = set(served_model_names) | {model_path, model_path.rstrip("/").rsplit("/", 1)[-1]}
 
@@ -229,17 +230,24 @@ class OpenAIServing:
                                code="invalid_value")
         if req.seed is not None and not -(2**63) <= req.seed < 2**63:
             raise APIError(400, "seed must be a 64-bit signed integer", param="seed", code="invalid_value")
-        top_k = 0 if req.top_k is None else req.top_k
+        # A field the request leaves unset takes the model's generation_config.json default, if any.
+        defaults = self.default_sampling_params
+
+        def pick(name: str, fallback):
+            value = getattr(req, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        top_k = pick("top_k", 0)
         if top_k > self.vocab_size:  # same meaning, and no integer overflow in the sampler
             top_k = self.vocab_size
+        if max_tokens is None and "max_tokens" in defaults:  # the model's max_new_tokens, within the context
+            max_tokens = max(1, min(defaults["max_tokens"], self.max_model_len - prompt_len))
         kwargs = dict(
-            n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k,
-            min_p=0.0 if req.min_p is None else req.min_p, seed=req.seed, max_tokens=max_tokens,
+            n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=top_k,
+            min_p=pick("min_p", 0.0), seed=req.seed, max_tokens=max_tokens,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
-            frequency_penalty=req.frequency_penalty,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            frequency_penalty=req.frequency_penalty, repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
         )

@@ -1,0 +1,75 @@
+"""What the server takes from the model and the operator: generation_config.json sampling
+defaults for fields a request leaves unset, --chat-template and chat_template_kwargs, and
+prompt_logprobs in vLLM's response shape."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+from conftest import ENGINE_KW, LiveServer
+
+MSGS = [{"role": "user", "content": "w5 w6 w7"}]
+
+
+def start(path, args=None, **engine_kw):
+    from pagedllm.config import EngineConfig
+    from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
+
+    config = EngineConfig(model=path, served_model_name="tiny", **{**ENGINE_KW, **engine_kw})
+    live = LiveServer(build_app(config, args=args or ServerArgs()))
+    deadline = time.monotonic() + 120
+    while live.state.serving is None:
+        assert live.state.load_error is None, live.state.load_error
+        assert time.monotonic() < deadline, "engine did not load"
+        time.sleep(0.05)
+    return live
+
+
+@pytest.fixture(scope="module")
+def gen_model(llama_ckpt, tmp_path_factory):
+    """The test checkpoint with a generation_config.json recommending greedy decoding, 5 tokens."""
+    path = str(tmp_path_factory.mktemp("genmodel") / "m")
+    shutil.copytree(llama_ckpt, path)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"temperature": 0.0, "max_new_tokens": 5, "eos_token_id": 2}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gen_server(gen_model):
+    live = start(gen_model)
+    yield live
+    live.stop()
+
+
+def chat(url, **body):
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": MSGS, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_unset_fields_take_the_generation_config(gen_server):
+    a = chat(gen_server.url, ignore_eos=True)  # temperature and max_tokens unset: greedy, 5 tokens
+    b = chat(gen_server.url, ignore_eos=True)
+    assert a["usage"]["completion_tokens"] == 5 and a["choices"][0]["finish_reason"] == "length"
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]  # greedy: the same text each time
+    explicit = chat(gen_server.url, ignore_eos=True, temperature=0, max_tokens=5)
+    assert explicit["choices"][0]["message"] == a["choices"][0]["message"]
+    assert chat(gen_server.url, ignore_eos=True, max_tokens=7)["usage"]["completion_tokens"] == 7  # a set field wins
+    r = httpx.post(gen_server.url + "/v1/completions", json={"prompt": "w5 w6", "ignore_eos": True, "max_tokens": None},
+                   timeout=60).json()
+    assert r["usage"]["completion_tokens"] == 5
+
+
+def test_generation_config_vllm_ignores_the_file(gen_model):
+    live = start(gen_model, generation_config="vllm")
+    try:
+        assert live.state.engine.default_sampling_params == {}
+        r = chat(live.url, ignore_eos=True, max_tokens=None)
+        assert r["usage"]["completion_tokens"] == 256 - r["usage"]["prompt_tokens"]  # the context's room
+    finally:
+        live.stop()
