@@ -135,6 +135,9 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="allow a chat_template in requests (rendered in a separate process, bounded in time, "
                           "memory and output); off by default: such requests get 400")
+    srv.add_argument("--chat-template", default=None,
+                     help="a chat template (a file, or the template itself) replacing the model's; requests may "
+                          "pass variables to it in chat_template_kwargs")
     srv.add_argument("--chat-template-timeout", type=float, default=2.0,
                      help="seconds a request's chat template may take to render (default 2)")
     srv.add_argument("--max-request-body-size", type=parse_size, default=None,
@@ -250,7 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  log_level=args.log_level, access_log=args.access_log,
                                  shutdown_timeout=args.shutdown_timeout, skip_tokenizer_init=args.skip_tokenizer_init,
                                  trust_request_chat_template=args.trust_request_chat_template,
-                                 chat_template_timeout=args.chat_template_timeout,
+                                 chat_template_timeout=args.chat_template_timeout, chat_template=args.chat_template,
                                  max_request_body_size=args.max_request_body_size,
                                  http_read_timeout=args.http_read_timeout, request_timeout=args.request_timeout,
                                  metrics_prefix=args.metrics_prefix)

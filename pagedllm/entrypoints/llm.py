@@ -64,12 +64,14 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
     ) -> list[RequestOutput]:
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         items = [
-            {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template)}
+            {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template,
+                                                    **(chat_template_kwargs or {}))}
             for conv in conversations
         ]
         return self._run(items, self._expand_params(sampling_params, len(items)), use_tqdm)

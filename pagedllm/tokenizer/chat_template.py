@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import queue
 import threading
 from datetime import datetime
@@ -108,6 +109,38 @@ def render_bounded(template: str, variables: dict[str, Any],
             raise TemplateLimitError(f"the chat template's output passed {max_output_chars} characters")
         parts.append(chunk)
     return "".join(parts)
+
+
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a template string (it holds ``{``, ``}`` or a newline) or the path of a
+    file holding one; compiled now, so a syntax error is a start-up error."""
+    if any(c in value for c in "{}\n"):
+        template = value
+    elif os.path.isfile(value):
+        try:
+            with open(value, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat_template: cannot read {value!r}: {e}") from None
+    else:
+        raise ValueError(f"chat_template {value!r} looks like a file path, but there is no such file (a template "
+                         "string holds {{ ... }} or {% ... %})")
+    try:
+        compile_template(template)
+    except Exception as e:  # jinja2.TemplateSyntaxError and friends
+        raise ValueError(f"chat_template{' ' + repr(value) if template is not value else ''} is not a valid "
+                         f"template: {e}") from None
+    return template
+
+
+# Names chat_template_kwargs may not set: the variables the renderer fills in itself, and the
+# parameters of transformers' apply_chat_template (they are not template variables).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "add_generation_prompt", "tools", "documents", "chat_template", "tokenize",
+    "continue_final_message", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "unk_token", "sep_token",
+    "pad_token", "cls_token", "mask_token", "additional_special_tokens",
+})
 
 
 # ---- the worker process ------------------------------------------------------------------------

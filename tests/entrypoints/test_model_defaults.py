@@ -39,9 +39,15 @@ def gen_model(llama_ckpt, tmp_path_factory):
     return path
 
 
+TEMPLATE = "{% for m in messages %}{{ m.content }} {% endfor %}{% if extra %}{{ extra }}{% endif %}"
+
+
 @pytest.fixture(scope="module")
 def gen_server(gen_model):
-    live = start(gen_model)
+    """Over gen_model, with --chat-template TEMPLATE."""
+    from pagedllm.entrypoints.openai.api_server import ServerArgs
+
+    live = start(gen_model, ServerArgs(chat_template=TEMPLATE))
     yield live
     live.stop()
 
@@ -73,3 +79,44 @@ def test_generation_config_vllm_ignores_the_file(gen_model):
         assert r["usage"]["completion_tokens"] == 256 - r["usage"]["prompt_tokens"]  # the context's room
     finally:
         live.stop()
+
+
+# ---- --chat-template and chat_template_kwargs ---------------------------------------------------
+def tokenize(url, **body):
+    return httpx.post(url + "/tokenize", json={"messages": MSGS, **body}, timeout=60)
+
+
+def test_server_chat_template_and_kwargs(gen_server):
+    tok = gen_server.state.engine.tokenizer
+    r = tokenize(gen_server.url)
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("w5 w6 w7 ", add_special_tokens=False)
+    r = tokenize(gen_server.url, chat_template_kwargs={"extra": "w9"})
+    assert r.json()["tokens"] == tok.encode("w5 w6 w7 w9", add_special_tokens=False)
+    c = chat(gen_server.url, chat_template_kwargs={"extra": "w9"}, max_tokens=2)
+    assert c["usage"]["prompt_tokens"] == 4
+    for key in ("messages", "tokenize", "bos_token", "not-a-name"):
+        r = httpx.post(gen_server.url + "/v1/chat/completions",
+                       json={"messages": MSGS, "chat_template_kwargs": {key: 1}}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == f"chat_template_kwargs.{key}", r.text
+
+
+def test_chat_template_flag_file_string_and_errors(tmp_path):
+    from pagedllm.tokenizer.chat_template import load_chat_template
+
+    f = tmp_path / "t.jinja"
+    f.write_text(TEMPLATE)
+    assert load_chat_template(str(f)) == TEMPLATE == load_chat_template(TEMPLATE)
+    with pytest.raises(ValueError, match="looks like a file path, but there is no such file"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid template"):
+        load_chat_template("{% if %}")
+
+
+def test_serve_with_a_bad_chat_template_exits_with_one_line(llama_ckpt, tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_ckpt, "--chat-template",
+                        str(tmp_path / "missing.jinja")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr

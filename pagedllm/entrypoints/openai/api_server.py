@@ -73,6 +73,11 @@ class ServerState:
                  api_key: Optional[str] = None, owns_engine: Optional[bool] = None,
                  skip_tokenizer_init: bool = False, args: Optional["ServerArgs"] = None) -> None:
         self.args = args or ServerArgs()
+        self.chat_template: Optional[str] = None  # --chat-template, read and compiled now (errors at start-up)
+        if self.args.chat_template is not None:
+            from pagedllm.tokenizer.chat_template import load_chat_template
+
+            self.chat_template = load_chat_template(self.args.chat_template)
         if isinstance(engine_or_config, EngineConfig):
             self.config, self.engine = engine_or_config, None
         else:
@@ -129,7 +134,7 @@ class ServerState:
 
             self.template_sandbox = TemplateSandbox(timeout=self.args.chat_template_timeout)
         options = ServingOptions(self.args.trust_request_chat_template, self.template_sandbox,
-                                 self.args.request_timeout)
+                                 self.args.request_timeout, self.chat_template)
         self.serving = OpenAIServing(engine, self.served_model_names, self.model_path, options)
         self.max_body_size = self.args.max_request_body_size or default_max_body_size(
             self.serving.input_processor.max_prompt_chars, engine.max_model_len)
@@ -512,6 +517,7 @@ class ServerArgs:
     skip_tokenizer_init: bool = False
     trust_request_chat_template: bool = False  # allow chat_template in requests (rendered in a sandbox process)
     chat_template_timeout: float = 2.0  # seconds a request's chat template may render
+    chat_template: Optional[str] = None  # a template string or file replacing the model's chat template
     max_request_body_size: Optional[int] = None  # bytes; default 4 MiB above the largest prompt that fits
     http_read_timeout: float = 30.0  # seconds to receive a request's headers, and between body chunks
     request_timeout: Optional[float] = None  # default per-request deadline in seconds (None: none)

@@ -164,6 +164,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
+    prompt_logprobs: Optional[int] = None  # vLLM: logprobs of the prompt's tokens (top-N besides each)
 
 
 class ChatTopLogprob(BaseModel):
@@ -249,6 +251,7 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessageIn]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class TokenizeResponse(BaseModel):

@@ -105,6 +105,7 @@ class ServingOptions:
     trust_request_chat_template: bool = False
     template_sandbox: Any = None  # a TemplateSandbox, needed when request templates are trusted
     request_timeout: Optional[float] = None  # default deadline in seconds (None: none)
+    chat_template: Optional[str] = None  # the server's --chat-template (replaces the model's)
 
 
 def sse(model) -> str:
@@ -426,6 +427,7 @@ class OpenAIServing:
             raise APIError(400, f"the messages hold more than the {limit} characters that max_model_len "
                                 f"({self.max_model_len} tokens) could ever hold", param="messages",
                            code="context_length_exceeded")
+        kwargs = self._template_kwargs(getattr(req, "chat_template_kwargs", None))
         template = getattr(req, "chat_template", None)
         if template is not None:
             if not self.options.trust_request_chat_template or self.options.template_sandbox is None:
@@ -435,16 +437,33 @@ class OpenAIServing:
             try:
                 return await asyncio.to_thread(render_request_template, self.tokenizer,
                                                self.options.template_sandbox, template, messages,
-                                               req.add_generation_prompt)
+                                               req.add_generation_prompt, **kwargs)
             except TemplateLimitError as e:
                 raise APIError(400, f"the chat template exceeded its limits: {e}", param="chat_template",
                                code="chat_template_limit") from None
             except Exception as e:  # template errors are caused by the input
                 raise APIError(400, f"could not apply the chat template: {e}", param="chat_template") from None
         try:
-            return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages, req.add_generation_prompt)
+            return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages, req.add_generation_prompt,
+                                           self.options.chat_template, **kwargs)
+        except TemplateLimitError as e:
+            raise APIError(400, f"the chat template exceeded its limits: {e}", param="messages",
+                           code="chat_template_limit") from None
         except Exception as e:  # template errors are caused by the input
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
+
+    @staticmethod
+    def _template_kwargs(kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """chat_template_kwargs: extra template variables; the ones the renderer sets itself and
+        transformers' own apply_chat_template parameters are refused, naming the key."""
+        from pagedllm.tokenizer.chat_template import RESERVED_TEMPLATE_KWARGS
+
+        for key in kwargs or {}:
+            if not key.isidentifier() or key in RESERVED_TEMPLATE_KWARGS:
+                why = "is set by the server" if key in RESERVED_TEMPLATE_KWARGS else "is not a template variable name"
+                raise APIError(400, f"chat_template_kwargs: {key!r} {why}", param=f"chat_template_kwargs.{key}",
+                               code="invalid_value")
+        return dict(kwargs or {})
 
     async def create_chat_completion(self, req: ChatCompletionRequest, timeout: Optional[float] = None):
         model = self.check_model(req.model)
@@ -529,7 +548,8 @@ class OpenAIServing:
                 raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
             return list(await asyncio.to_thread(self.tokenizer.encode, req.prompt,
                                                 add_special_tokens=req.add_special_tokens))
-        chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt)
+        chat = ChatCompletionRequest(messages=req.messages, add_generation_prompt=req.add_generation_prompt,
+                                     chat_template_kwargs=req.chat_template_kwargs)
         return await self._chat_prompt(chat)
 
     def detokenize(self, req) -> str:
