@@ -1,12 +1,15 @@
-"""Micro-benchmark of the CPU linear layers (pagedllm/layers/cpu_gemm.py): pagedllm's panel GEMM
-(float32 and bfloat16 weights) beside oneDNN's packed GEMM, the fallback without the C++ kernels.
+"""Micro-benchmark of the CPU linear layers (pagedllm/layers/cpu_gemm.py): pagedllm's packed GEMM
+(float32 and bfloat16 weights) beside oneDNN's (torch.ops.mkldnn packed linear, the fallback
+without the C++ kernels) in the same dtype, so each bf16 row sits next to oneDNN's bf16.
 
 One "step" multiplies M rows through the products of a whole model -- each layer's qkv, o,
 gate_up and down weights (distinct tensors, so they stream from memory as in a decode step) plus
-the LM head for M <= 128 -- with llama-100m's shapes by default. Rounds alternate the forms; the
-best round of each counts (this VM's speed drifts).
+the LM head for M <= 128 -- with llama-100m's shapes by default. bf16 forms take and return bf16
+activations, as a bf16 model's layers do. Rounds alternate the forms; the best round of each
+counts (the speed of a shared VM drifts). The header line names the GEMM path the kernels were
+compiled for (``gemm_path()``: avx512_bf16 / avx512 / avx2 / scalar) and the CPU's ISA flags.
 
-    python benchmarks/cpu_gemm.py [--rows 1,8,16,32,64,512,2048] [--layers 12]
+    python benchmarks/cpu_gemm.py [--rows 1,8,16,32,64,512,2048] [--layers 12] [--forms ...]
 """
 from __future__ import annotations
 
@@ -23,6 +26,20 @@ from common import print_table, write_json  # noqa: E402
 
 from pagedllm.kernels import cpu as cpu_kernels  # noqa: E402
 from pagedllm.layers import cpu_gemm  # noqa: E402
+
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    have = set(line.split(":", 1)[1].split())
+                    return [f for f in _ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def model_weights(args) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
@@ -44,28 +61,42 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--forms", default="", help="comma-separated subset of the form names (default: all)")
     ap.add_argument("--out", default="benchmarks/results/cpu_gemm.json")
     args = ap.parse_args()
-    if cpu_kernels.load() is None:
+    module = cpu_kernels.load()
+    if module is None:
         raise SystemExit("the C++ kernels did not build (no compiler?)")
+    path = module.gemm_path() if hasattr(module, "gemm_path") else "unknown (no gemm_path op)"
 
     layers, head = model_weights(args)
+    bf16 = torch.bfloat16
+    # name -> (pack a float32 weight, activation dtype)
     forms = {
-        "panels float32": lambda w: cpu_gemm.pack_panels(w),
-        "panels bf16 weights": lambda w: cpu_gemm.pack_panels(w.to(torch.bfloat16)),
+        "ours f32": (lambda w: cpu_gemm.pack_panels(w), torch.float32),
+        "ours bf16": (lambda w: cpu_gemm.pack_panels(w.to(bf16)), bf16),
     }
     if cpu_gemm.packing_available():
-        forms["oneDNN packed"] = lambda w: cpu_gemm.pack_weight(w, torch.float32)
-    packed = {name: ([[pack(w) for w in layer] for layer in layers], pack(head)) for name, pack in forms.items()}
+        forms["oneDNN f32"] = (lambda w: cpu_gemm.pack_weight(w, torch.float32), torch.float32)
+        if cpu_gemm.packed_compute_dtype(bf16) == bf16:  # native bf16 in oneDNN on this CPU
+            forms["oneDNN bf16"] = (lambda w: cpu_gemm.pack_weight(w, bf16), bf16)
+    if args.forms:
+        keep = [f.strip() for f in args.forms.split(",")]
+        forms = {k: v for k, v in forms.items() if k in keep}
+    packed = {name: ([[pack(w) for w in layer] for layer in layers], pack(head), dt)
+              for name, (pack, dt) in forms.items()}
     flops_layer = sum(2 * w.shape[0] * w.shape[1] for w in layers[0])
+    header = (f"GEMM path compiled: {path}; CPU flags: {' '.join(cpu_flags())}; {torch.get_num_threads()} threads")
+    print(header, flush=True)
 
     rows = []
     for M in (int(m) for m in args.rows.split(",")):
-        x_h = torch.randn(M, args.hidden)
-        x_i = torch.randn(M, args.intermediate)
+        xs = {dt: (torch.randn(M, args.hidden).to(dt), torch.randn(M, args.intermediate).to(dt))
+              for dt in (torch.float32, bf16)}
         with_head = M <= 128
 
-        def step(ws, lm_head):
+        def step(ws, lm_head, dt):
+            x_h, x_i = xs[dt]
             for qkv, o, gate_up, down in ws:
                 for w, x in ((qkv, x_h), (o, x_h), (gate_up, x_h), (down, x_i)):
                     cpu_gemm.linear(x, w)
@@ -89,10 +120,11 @@ def main() -> None:
             row[f"{name} GFLOP/s"] = round(flops / sec / 1e9, 1)
         rows.append(row)
         print(row, flush=True)
-    print(f"\n{args.layers} layers x (qkv, o, gate_up, down) + LM head for rows <= 128; {torch.get_num_threads()} threads;"
+    print(f"\n{header}\n{args.layers} layers x (qkv, o, gate_up, down) + LM head for rows <= 128;"
           f" best of {args.rounds} alternating rounds")
     print_table(rows, ["rows"] + [f"{n} GFLOP/s" for n in packed])
-    write_json(args.out, {"args": vars(args), "results": rows, "argv": sys.argv})
+    write_json(args.out, {"args": vars(args), "gemm_path": path, "cpu_flags": cpu_flags(),
+                          "threads": torch.get_num_threads(), "results": rows, "argv": sys.argv})
 
 
 if __name__ == "__main__":
