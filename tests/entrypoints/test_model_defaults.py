@@ -120,3 +120,37 @@ def test_serve_with_a_bad_chat_template_exits_with_one_line(llama_ckpt, tmp_path
                         str(tmp_path / "missing.jinja")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().count("\n") == 0 and "no such file" in r.stderr
+
+
+# ---- prompt_logprobs ---------------------------------------------------------------------------
+def test_prompt_logprobs_in_vllm_shape(server, offline):
+    from pagedllm.sampling_params import SamplingParams
+
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "w5 w6 w7 w8", "max_tokens": 1, "temperature": 0,
+                                                         "prompt_logprobs": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+    ids = server.engine.tokenizer.encode("w5 w6 w7 w8")
+    ref = offline.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=2),
+                           use_tqdm=False)[0].prompt_logprobs
+    pl = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(pl) == len(ids) == r.json()["usage"]["prompt_tokens"] and pl[0] is None
+    for j in range(1, len(ids)):
+        entry = pl[j][str(ids[j])]  # keyed by token id; the prompt's own token is always there
+        assert set(entry) == {"logprob", "rank", "decoded_token"} and entry["rank"] >= 1
+        assert abs(entry["logprob"] - ref[j][ids[j]].logprob) < 1e-4
+        assert 1 <= len(pl[j]) <= 3 and sorted(v["rank"] for v in pl[j].values())[:2] == [1, 2]
+    c = httpx.post(server.url + "/v1/chat/completions", json={"messages": MSGS, "max_tokens": 1, "prompt_logprobs": 0},
+                   timeout=60).json()
+    assert c["prompt_logprobs"][0] is None and len(c["prompt_logprobs"]) == c["usage"]["prompt_tokens"]
+    assert all(len(d) == 1 for d in c["prompt_logprobs"][1:])  # 0: only the prompt's token
+    assert "prompt_logprobs" not in c["choices"][0]
+    plain = httpx.post(server.url + "/v1/completions", json={"prompt": "w5", "max_tokens": 1}, timeout=60).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+
+
+@pytest.mark.parametrize("body", [{"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21},
+                                  {"prompt_logprobs": True}])
+def test_prompt_logprobs_bad_requests_name_the_field(server, body):
+    for path, base in (("/v1/completions", {"prompt": "w5"}), ("/v1/chat/completions", {"messages": MSGS})):
+        r = httpx.post(server.url + path, json={**base, "max_tokens": 1, **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text

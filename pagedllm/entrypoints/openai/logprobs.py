@@ -6,7 +6,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from pagedllm.entrypoints.openai.protocol import ChatLogprobs, ChatLogprobToken, ChatTopLogprob, CompletionLogprobs
+from pagedllm.entrypoints.openai.protocol import (
+    ChatLogprobs, ChatLogprobToken, ChatTopLogprob, CompletionLogprobs, LogprobInfo, PromptLogprobsOut,
+)
 from pagedllm.outputs import Logprob
 
 _FLOOR = -9999.0  # JSON has no -inf
@@ -43,12 +45,34 @@ def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]]
     return out
 
 
-def completion_prompt_logprobs(prompt_ids: list[int], prompt_logprobs, tokenizer) -> CompletionLogprobs:
-    """Echo: the prompt's tokens (the first has no logprob)."""
+def _top(d: Optional[dict[int, Logprob]], tid: int, n: Optional[int]) -> Optional[dict[int, Logprob]]:
+    """The prompt token's entry and the top ``n`` (the engine computed the largest N asked for)."""
+    if not d or n is None:
+        return d
+    return {t: v for t, v in d.items() if t == tid or (v.rank is not None and v.rank <= n)}
+
+
+def prompt_logprobs(prompt_ids: list[int], logprobs, n: int, tokenizer) -> Optional[PromptLogprobsOut]:
+    """vLLM's ``prompt_logprobs``: per prompt position None (the first) or {token id: {logprob,
+    rank, decoded_token}} holding the prompt's token and the top ``n``."""
+    if logprobs is None:
+        return None
+    out: PromptLogprobsOut = []
+    for j, tid in enumerate(prompt_ids):
+        d = _top(logprobs[j] if j < len(logprobs) else None, tid, n)
+        out.append(None if not d else {t: LogprobInfo(logprob=_clamp(v.logprob), rank=v.rank,
+                                                        decoded_token=_text(t, v, tokenizer)) for t, v in d.items()})
+    return out
+
+
+def completion_prompt_logprobs(prompt_ids: list[int], prompt_logprobs, tokenizer,
+                               n: Optional[int] = None) -> CompletionLogprobs:
+    """Echo: the prompt's tokens (the first has no logprob), with the top ``n`` of each."""
     out = CompletionLogprobs()
     offset = 0
     for j, tid in enumerate(prompt_ids):
         d = prompt_logprobs[j] if prompt_logprobs is not None and j < len(prompt_logprobs) else None
+        d = _top(d, tid, n)
         lp = d.get(tid) if d else None
         tok = _text(tid, lp, tokenizer)
         out.tokens.append(tok)

@@ -112,6 +112,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    prompt_logprobs: Optional[int] = None  # vLLM: logprobs of the prompt's tokens (top-N besides each)
 
 
 class CompletionLogprobs(BaseModel):
@@ -123,12 +124,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class LogprobInfo(BaseModel):
+    """vLLM's Logprob, as its prompt_logprobs carry them ({token id: LogprobInfo} per position)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+PromptLogprobsOut = list[Optional[dict[int, LogprobInfo]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_logprobs: Optional[PromptLogprobsOut] = None  # vLLM extra (not streamed)
 
 
 class CompletionResponse(BaseModel):
@@ -202,6 +215,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
+    prompt_logprobs: Optional[PromptLogprobsOut] = None  # vLLM extra, on the response (not streamed)
 
 
 class DeltaMessage(BaseModel):

@@ -320,15 +320,18 @@ class OpenAIServing:
             raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
         if req.echo and req.logprobs is not None and self.tokenizer is None:
             raise APIError(400, "echo with logprobs needs a tokenizer", param="echo")
+        self._check_prompt_logprobs(req)
         prompts = [await self._process(p, "prompt") for p in self._completion_prompts(req.prompt)]
         rid = f"cmpl-{uuid.uuid4().hex}"
+        # The engine computes the prompt's top-N once: N the larger of prompt_logprobs and echo's logprobs.
+        asked = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
+        prompt_n = max(asked) if asked else None
         items = []
         for i, (text, ids) in enumerate(prompts):
             if text is None and req.echo and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids)
             prompts[i] = (text, ids)
-            params = self.sampling_params(req, len(ids), req.max_tokens, req.logprobs,
-                                          req.logprobs if req.echo else None)
+            params = self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, prompt_n)
             items.append(({"prompt_token_ids": ids, "prompt": text}, params, f"{rid}-{i}"))
         streams = await self._start(items, self._timeout(req, timeout))
         if req.stream:
@@ -338,7 +341,20 @@ class OpenAIServing:
     def _echo_logprobs(self, out: RequestOutput, n: Optional[int]):
         if n is None:
             return None
-        return lp_format.completion_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.tokenizer)
+        return lp_format.completion_prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, self.tokenizer, n)
+
+    @staticmethod
+    def _check_prompt_logprobs(req) -> None:
+        if req.prompt_logprobs is not None and req.stream:
+            raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs",
+                           code="invalid_value")
+
+    def _prompt_logprobs(self, req, out: Optional[RequestOutput]):
+        """vLLM's prompt_logprobs field, when the request asked for them."""
+        if req.prompt_logprobs is None or out is None:
+            return None
+        return lp_format.prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs, req.prompt_logprobs,
+                                         self.tokenizer)
 
     async def _completion_full(self, req, streams: StreamSet, rid, model, prompts) -> CompletionResponse:
         choices: dict[tuple[int, int], _Choice] = {}
@@ -363,7 +379,8 @@ class OpenAIServing:
                 lps = lp_format.prepend(self._echo_logprobs(last[i], req.logprobs), lps)
             completion_tokens += len(c.token_ids)
             result.append(CompletionChoice(index=i * req.n + k, text=text, logprobs=lps,
-                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                           prompt_logprobs=self._prompt_logprobs(req, last.get(i))))
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         cached = sum(o.num_cached_tokens for o in last.values())
         return CompletionResponse(id=rid, model=model, choices=result,
@@ -470,11 +487,12 @@ class OpenAIServing:
         ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req)}, "messages"))[1]
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        self._check_prompt_logprobs(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         aliases = {"logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                      aliases=aliases)
+                                      req.prompt_logprobs, aliases=aliases)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([({"prompt_token_ids": ids}, params, rid)], self._timeout(req, timeout))
         if req.stream:
@@ -488,10 +506,10 @@ class OpenAIServing:
 
     async def _chat_full(self, req, streams: StreamSet, rid, model, prompt_len) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
-        cached = 0
+        cached, last = 0, None
         try:
             async for _, out in streams:
-                cached = out.num_cached_tokens
+                cached, last = out.num_cached_tokens, out
                 for o in out.outputs:
                     choices.setdefault(o.index, _Choice()).add(o)
         except Exception as e:
@@ -505,7 +523,8 @@ class OpenAIServing:
             for k, c in sorted(choices.items())
         ]
         ntok = sum(len(c.token_ids) for c in choices.values())
-        return ChatCompletionResponse(id=rid, model=model, choices=result, usage=self._usage(prompt_len, ntok, cached))
+        return ChatCompletionResponse(id=rid, model=model, choices=result, usage=self._usage(prompt_len, ntok, cached),
+                                      prompt_logprobs=self._prompt_logprobs(req, last))
 
     async def _chat_stream(self, req, streams: StreamSet, rid, model, prompt_len) -> AsyncIterator[str]:
         done, ntok, cached = set(), 0, 0
