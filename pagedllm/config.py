@@ -79,6 +79,9 @@ class EngineConfig:
             cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size)  # raises if malformed
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local directory with config.json and safetensors weights: {self.model!r}")
+        if not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model directory {self.model!r} has no config.json"
+                             + (" (it is empty)" if not os.listdir(self.model) else ""))
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError("generation_config must be 'auto' (the model's generation_config.json), 'vllm' (ignore "
                              f"it) or a directory holding a generation_config.json, got {self.generation_config!r}")

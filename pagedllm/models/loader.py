@@ -20,9 +20,13 @@ from pagedllm.layers.linear import default_weight_loader
 def checkpoint_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"cannot read the weights index {index}: {type(e).__name__}: {e}") from None
+        return [os.path.join(model_dir, name) for name in names]
     single = os.path.join(model_dir, "model.safetensors")
     if os.path.exists(single):
         return [single]
@@ -51,7 +55,11 @@ class SliceSource:
 
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, SliceSource]]:
     for path in checkpoint_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
+        try:  # safetensors checks the header and the file's length against it here
+            handle = safe_open(path, framework="pt", device="cpu")
+        except Exception as e:
+            raise ValueError(f"cannot read the weights file {path} (corrupt or truncated?): {e}") from None
+        with handle as f:
             for name in f.keys():
                 yield name, SliceSource(f.get_slice(name))
 

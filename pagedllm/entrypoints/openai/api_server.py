@@ -115,7 +115,9 @@ class ServerState:
 
             engine = AsyncLLM(self.config, LLMEngine(self.config, skip_tokenizer_init=self.skip_tokenizer_init))
         except BaseException as e:
-            logger.exception("the engine failed to start")
+            # One line an operator can act on; the traceback only with --log-level debug.
+            detail = str(e) if isinstance(e, (ValueError, OSError)) and str(e) else f"{type(e).__name__}: {e}"
+            logger.error("the engine failed to start: %s", detail, exc_info=logger.isEnabledFor(logging.DEBUG))
             self.load_error = e
             if self.on_load_error is not None:
                 self.on_load_error(e)
@@ -281,7 +283,8 @@ class _RequestGuard:
 def _h11_protocol(header_timeout: float):
     """uvicorn's h11 protocol, closing a connection that does not deliver a request's headers
     within ``header_timeout`` seconds of connecting or of sending its first bytes after the
-    previous response (idle keep-alive connections are uvicorn's timeout_keep_alive)."""
+    previous response (idle keep-alive connections are uvicorn's timeout_keep_alive), and
+    answering requests it cannot parse with our JSON error shape."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class _H11Protocol(H11Protocol):
@@ -310,6 +313,23 @@ def _h11_protocol(header_timeout: float):
             if not self._waiting_for_headers() and self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request it cannot parse (bad request line, headers, framing),
+            in our JSON error shape instead of plain text."""
+            import h11
+
+            body = APIError(400, f"invalid HTTP request: {msg.rstrip('.')}", code="invalid_http").body()
+            data = body.model_dump_json().encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(data)).encode())]
+            try:
+                for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=data),
+                              h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:  # the connection's state allows no response: just close
+                pass
+            self.transport.close()
 
         def connection_lost(self, exc) -> None:
             if self._header_timer is not None:
@@ -524,6 +544,8 @@ class ServerArgs:
     metrics_prefix: str = "pagedllm"  # metric names are PREFIX:name ("vllm" for vLLM's dashboards)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
         for name in ("shutdown_timeout", "chat_template_timeout", "http_read_timeout", "request_timeout"):
             value = getattr(self, name)
             if value is not None and not value > 0:

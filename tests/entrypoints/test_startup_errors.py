@@ -1,0 +1,76 @@
+"""Start-up errors are one line an operator can act on and a non-zero exit (the traceback only
+with --log-level debug); uvicorn's own answer to an unparseable request is our JSON error."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import LiveServer, free_port
+
+
+def serve(*args: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_startup_errors_are_one_line(llama_ckpt, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    shutil.copy(os.path.join(llama_ckpt, "model.safetensors"), no_config)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(llama_ckpt, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    small = ["--kv-cache-memory", "8MiB", "--max-model-len", "256"]
+    cases = {  # name: (args, exit code, text the error line holds)
+        "empty": ([str(empty)], 2, "has no config.json (it is empty)"),
+        "no_config": ([str(no_config)], 2, "has no config.json"),
+        "port": ([llama_ckpt, "--port", "99999"], 2, "port must be in 0..65535"),
+        "truncated": ([str(truncated), "--port", str(free_port()), *small], 1, f"{weights} (corrupt or truncated?)"),
+        "debug": ([str(truncated), "--port", str(free_port()), "--log-level", "debug", *small], 1, str(weights)),
+    }
+    import torch
+
+    if not torch.cuda.is_available():
+        cases["cuda"] = ([llama_ckpt, "--device", "cuda", "--port", str(free_port()), *small], 1,
+                         "no CUDA device is available")
+    procs = {name: serve(*args) for name, (args, _, _) in cases.items()}  # in parallel: seconds, not tens
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        _, code, text = cases[name]
+        assert proc.returncode == code, (name, err)
+        lines = [line for line in err.splitlines() if text in line]
+        if name == "debug":  # the error line, then the traceback (whose last line repeats it)
+            assert "Traceback" in err and lines, (name, err)
+        else:
+            assert len(lines) == 1, (name, err)
+            assert "Traceback" not in err, (name, err)
+            errors = [line for line in err.splitlines() if "error" in line.lower()]
+            assert errors == lines, (name, err)  # the one error line, nothing else alarming
+
+
+def test_unparseable_request_gets_json_400(server):
+    from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
+
+    args = ServerArgs()
+    live = LiveServer(build_app(server.engine, served_model_name="tiny", args=args), args=args)
+    try:
+        with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
+            s.sendall(b"GARBAGE / HTTP/9\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+        err = json.loads(body)["error"]
+        assert err["code"] == "invalid_http" and err["type"] == "invalid_request_error"
+        assert err["message"].startswith("invalid HTTP request")
+    finally:
+        live.stop()
