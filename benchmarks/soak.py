@@ -567,13 +567,15 @@ def main() -> int:
     health = parent.recv() if parent.poll(30) else {}
     mon.join(10)
     exit_code = stop_server(proc) if proc else None
-    tracebacks = server_kernels = None
+    tracebacks = server_kernels = server_kv_cache = None
     if proc:
         with open(log_path, errors="replace") as f:
             log_text = f.read()
         tracebacks = log_text.count("Traceback")
         m = re.search(r"kernels (loaded \(level \w+|unavailable|disabled)", log_text)
         server_kernels = m.group(1).replace("loaded (level ", "") if m else None
+        m = re.search(r"KV cache:? ([0-9.]+ [KMG]iB)", log_text)
+        server_kv_cache = m.group(1) if m else None
 
     rows = summarize(results)
     print()
@@ -583,6 +585,10 @@ def main() -> int:
     categories = Counter(r["kind"].split("/")[0] for r in results)
     rss = health.get("rss", []) if proc else []
     rss_mib = [b / (1 << 20) for _, b in rss]
+    # Ten points over the run (time s, MiB): growth that flattens is the KV cache's pages being
+    # touched for the first time and malloc keeping its peak; a leak keeps climbing.
+    timeline = [(round(rss[i][0], 1), round(rss_mib[i], 1))
+                for i in sorted({min(len(rss) - 1, k * len(rss) // 10) for k in range(11)})] if rss else []
     summary = {
         "num_requests": len(results), "concurrency": args.concurrency, "seed": args.seed,
         "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(results) / elapsed, 1),
@@ -599,7 +605,8 @@ def main() -> int:
                     "end": round(rss_mib[-1], 1)} if rss_mib else None,
         "metrics_before": before, "metrics_after": after, "drained_after_s": drained_s,
         "idle_at_end": drained_s is not None,
-        "server_ready_s": ready_s, "server_kernels": server_kernels, "server_exit_code": exit_code, "server_log_tracebacks": tracebacks,
+        "rss_timeline_mib": timeline,
+        "server_ready_s": ready_s, "server_kernels": server_kernels, "server_kv_cache": server_kv_cache, "server_exit_code": exit_code, "server_log_tracebacks": tracebacks,
         "server_log": log_path if proc else None, "server_cmd": server_cmd, "argv": sys.argv,
         "kinds": rows,
     }
@@ -617,7 +624,8 @@ def main() -> int:
               f"{health['longest_gap_s'] * 1000:.0f} ms")
     if rss_mib:
         print(f"server RSS (process tree): start {rss_mib[0]:.0f} MiB, peak {max(rss_mib):.0f} MiB, "
-              f"end {rss_mib[-1]:.0f} MiB")
+              f"end {rss_mib[-1]:.0f} MiB (KV cache {server_kv_cache}); over the run (s: MiB): "
+              + ", ".join(f"{t:.0f}: {m:.0f}" for t, m in timeline))
     print(f"/metrics at the end: running {after.get('num_requests_running')}, waiting "
           f"{after.get('num_requests_waiting')}, KV usage {after.get('kv_cache_usage_perc')}"
           + (f" (idle {drained_s:.1f} s after the last answer)" if drained_s is not None else " -- NOT IDLE")
