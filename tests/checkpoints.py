@@ -7,6 +7,12 @@ import os
 import torch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHS = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+}
 
 
 def _tokenizer_files(path: str, vocab_size: int) -> None:
@@ -26,7 +32,7 @@ def _tokenizer_files(path: str, vocab_size: int) -> None:
 def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hidden: int = 64, layers: int = 2,
                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128, max_pos: int = 1024,
                     tie: bool = False, seed: int = 0, init_std: float = 0.1, rope_scaling=None, rope_theta=10000.0,
-                    dtype=torch.float32, shards: int = 1, head_dim=None, sliding_window=None) -> str:
+                    dtype=torch.float32, shards: int = 1, head_dim=None, sliding_window=None, extra=None) -> str:
     import transformers as tf
 
     if os.path.exists(os.path.join(path, "config.json")):
@@ -47,6 +53,9 @@ def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hi
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(head_dim=head_dim or hidden // heads, **common)
         cls = tf.Qwen3ForCausalLM
+    elif arch in MOE_ARCHS:  # extra: the family's MoE / MLA config fields
+        cfg_cls, cls = (getattr(tf, n) for n in MOE_ARCHS[arch])
+        cfg = cfg_cls(**common, **(extra or {}))
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -55,6 +64,9 @@ def make_checkpoint(path: str, arch: str = "llama", *, vocab_size: int = 512, hi
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3 routing: a bias that matters
+                b.add_(torch.randn_like(b) * 0.1)
     kw = {}
     if shards > 1:
         total = sum(p.numel() * p.element_size() for p in model.parameters())

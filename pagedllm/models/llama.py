@@ -74,10 +74,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: Optional[int]) -> None:
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: Optional[int],
+                 mlp: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, sliding_window)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)  # a family's own MLP (e.g. MoE)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -93,12 +94,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+    def __init__(self, config, qkv_bias: bool = False, qk_norm: bool = False, make_mlp=None) -> None:
+        """``make_mlp(config, layer_index)``: a family's MLP for a layer (None: LlamaMLP)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         sliding_window = self._sliding_window(config)
         self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, qkv_bias, qk_norm, sliding_window) for _ in range(config.num_hidden_layers)]
+            [LlamaDecoderLayer(config, qkv_bias, qk_norm, sliding_window, make_mlp(config, i) if make_mlp else None)
+             for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -133,11 +136,12 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    make_mlp = None  # MoE families: (config, layer index) -> that layer's MLP module
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm)
+        self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, self.make_mlp)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 

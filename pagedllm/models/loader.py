@@ -67,6 +67,9 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, SliceSource]]:
 def load_weights(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     mapping: dict = getattr(model, "packed_modules_mapping", {})
+    # A family's own names (e.g. per-expert tensors into stacked expert weights): name ->
+    # (parameter, shard id or None), or None for the generic mapping below.
+    name_target = getattr(model, "remap_checkpoint_name", None)
     loaded: set[str] = set()
     saw_lm_head = False
     for name, tensor in iterate_weights(model_dir):
@@ -74,7 +77,10 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             continue
         shard_id = None
         target = name
-        for frag, (fused, sid) in mapping.items():
+        mapped = name_target(name) if name_target is not None else None
+        if mapped is not None:
+            target, shard_id = mapped
+        for frag, (fused, sid) in (mapping.items() if mapped is None else ()):
             if f".{frag}." in name:
                 target = name.replace(f".{frag}.", f".{fused}.")
                 shard_id = sid
