@@ -13,7 +13,9 @@ compiler, other dtypes) the pure-torch paths:
   float32 uses baddbmm/softmax/bmm in query chunks (measured 2-4x faster than CPU SDPA here);
   other dtypes use SDPA, which accumulates in float32.
 The plan (which rows are decodes, gather indices, masks) is built once per step and shared by
-all layers.
+all layers. Per layer: a sliding window and logit soft-capping (Gemma 2: scores become
+``cap * tanh(score / cap)`` before the softmax; the kernels take it as an argument, the torch
+paths then compute the scores explicitly instead of through SDPA).
 """
 from __future__ import annotations
 
@@ -150,13 +152,15 @@ class _StepPlan:
 
 
 class TorchNativeAttention:
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int]) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int],
+                 logits_soft_cap: Optional[float] = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else 0.0
 
     def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype, use_kernel: bool) -> _StepPlan:
         # Built by the first layer of the step, reused by the others.
@@ -188,7 +192,8 @@ class TorchNativeAttention:
             q = query[kd.rows].contiguous() if gathered else query[kd.rows]
             o = torch.empty_like(q) if gathered else out[kd.rows]
             kernels.paged_decode_attention(
-                o, q, k_cache, v_cache, kd.block_table, kd.seq_lens, self.scale, self.sliding_window or 0
+                o, q, k_cache, v_cache, kd.block_table, kd.seq_lens, self.scale, self.sliding_window or 0,
+                self.soft_cap,
             )
             if gathered:
                 out[kd.rows] = o
@@ -196,7 +201,7 @@ class TorchNativeAttention:
             kp = plan.kernel_prefill
             kernels.paged_prefill_attention(
                 out, query, k_cache, v_cache, kp.block_table, kp.q_start, kp.q_len, kp.seq_len, self.scale,
-                self.sliding_window or 0,
+                self.sliding_window or 0, self.soft_cap,
             )
         for d in plan.decodes:
             B = d.rows.shape[0]
@@ -204,7 +209,10 @@ class TorchNativeAttention:
             k = k_cache.index_select(0, d.block_ids).view(B, d.length, Hkv, D).transpose(1, 2)
             v = v_cache.index_select(0, d.block_ids).view(B, d.length, Hkv, D).transpose(1, 2)
             # GQA without copies: a kv head's query heads form the "query length" axis.
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=self.scale)
+            if self.soft_cap:
+                o = self._capped_attention(q, k, v, d.mask)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=d.mask, scale=self.scale)
             out[d.rows] = o.reshape(B, self.num_heads, D)
         for p in plan.prefills:
             n = p.end - p.start
@@ -220,7 +228,17 @@ class TorchNativeAttention:
             out[p.start : p.end] = og.view(Hkv, n, self.group, D).transpose(0, 1).reshape(n, self.num_heads, D)
         return out
 
+    def _capped_attention(self, q, k, v, mask) -> torch.Tensor:
+        """softmax(cap * tanh(q k^T * scale / cap) + mask) v, softmax in float32."""
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.soft_cap) * self.soft_cap
+        if mask is not None:
+            scores = scores + mask
+        return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
     def _grouped_attention(self, q, k, v, mask, prefix: int) -> torch.Tensor:
+        if self.soft_cap:
+            return self._capped_attention(q, k, v, mask)
         if q.dtype != torch.float32:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         G = self.group
@@ -242,5 +260,5 @@ class TorchNativeAttentionBackend:
     name = "torch_native"
 
     @staticmethod
-    def make_impl(num_heads, num_kv_heads, head_dim, scale, sliding_window) -> TorchNativeAttention:
-        return TorchNativeAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+    def make_impl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap=None) -> TorchNativeAttention:
+        return TorchNativeAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap)

@@ -24,7 +24,9 @@ Two kernels plus an optional reduction:
     of the cache block size: any block size works, the tests use 8/16/32), with an fp32 online
     softmax (base-2 exponentials, scale folded in), causal mask with the ``seq_len - query_len``
     offset and optional sliding window (key ``j`` visible from position ``p`` iff
-    ``j <= p and p - j < window``). The KV range is clipped per tile: it stops at the tile's last
+    ``j <= p and p - j < window``) and optional logit soft-capping (``cap * tanh(score / cap)``
+    before the softmax, Gemma 2; a compile-time flag, so other layers run the same code as
+    before). The KV range is clipped per tile: it stops at the tile's last
     query position and, with a window, starts at the first key any row of the tile can see.
   - Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` the tile's KV range is divided into
     contiguous chunks over grid axis 2; each program writes an unnormalised partial
@@ -173,6 +175,7 @@ def _unified_attention_kernel(
     num_reqs,
     num_heads,
     scale_log2,
+    soft_cap,  # > 0: scores become soft_cap * tanh(score / soft_cap) (SOFT_CAP set)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -185,6 +188,7 @@ def _unified_attention_kernel(
     stride_cd,
     stride_bt,
     SLIDING_WINDOW: tl.constexpr,  # 0 = no window
+    SOFT_CAP: tl.constexpr,  # logit soft-capping compiled in (a separate specialisation)
     QPK: tl.constexpr,  # query heads per kv head
     QPK_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -270,7 +274,14 @@ def _unified_attention_kernel(
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
-        s = s * scale_log2
+        if SOFT_CAP:
+            # scale_log2 = scale * log2(e): cap the natural-unit score, then back to base 2.
+            # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends in float32.
+            x = s * (scale_log2 / (1.4426950408889634 * soft_cap))
+            t = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+            s = t * (soft_cap * 1.4426950408889634)
+        else:
+            s = s * scale_log2
 
         visible = kv_ok[None, :] & (kp[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
@@ -398,6 +409,7 @@ def unified_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -442,6 +454,7 @@ def unified_attention(
         num_reqs,
         num_heads,
         float(scale) * _LOG2E,
+        float(soft_cap or 0.0),
         query.stride(0),
         query.stride(1),
         query.stride(2),
@@ -454,6 +467,7 @@ def unified_attention(
         k_cache.stride(3),
         block_table.stride(0),
         SLIDING_WINDOW=int(sliding_window) if sliding_window else 0,
+        SOFT_CAP=bool(soft_cap),
         QPK=qpk,
         QPK_PAD=qpk_pad,
         BLOCK_Q=block_q,
@@ -492,7 +506,8 @@ def unified_attention(
 
 class TritonAttentionImpl:
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> None:
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
@@ -500,6 +515,7 @@ class TritonAttentionImpl:
         self.head_dim = head_dim
         self.scale = float(scale)
         self.sliding_window = int(sliding_window) if sliding_window else None
+        self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
         # None = heuristic (choose_num_splits); an int forces the split count (tests/benchmarks).
         self.num_splits: int | None = None
 
@@ -532,6 +548,7 @@ class TritonAttentionImpl:
             scale=self.scale,
             sliding_window=self.sliding_window,
             num_splits=self.num_splits,
+            soft_cap=self.soft_cap,
         )
         return out
 
@@ -541,9 +558,10 @@ class TritonAttentionBackend:
 
     @staticmethod
     def make_impl(
-        num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None
+        num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None,
+        logits_soft_cap: float | None = None,
     ) -> TritonAttentionImpl:
-        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap)
 
 
 __all__ = [

@@ -10,19 +10,22 @@ from pagedllm.attention.forward_context import get_attention_metadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int] = None) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int] = None,
+                 logits_soft_cap: Optional[float] = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap  # Gemma 2: scores -> cap * tanh(score / cap)
         self.kv_cache: Optional[torch.Tensor] = None  # bound by the worker after allocation
         self.impl = None  # bound by the worker (backend chosen by device)
 
     def bind(self, backend, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
-        self.impl = backend.make_impl(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window)
+        self.impl = backend.make_impl(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window,
+                                      self.logits_soft_cap)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.impl is None or self.kv_cache is None:

@@ -29,7 +29,7 @@ def make_batch(qlens, seqlens, H, Hkv, D, bs, seed=0):
     return kv, md, q, k, v, table, pos, req
 
 
-def dense_reference(kv, md, q, k, v, table, H, Hkv, D, bs, window):
+def dense_reference(kv, md, q, k, v, table, H, Hkv, D, bs, window, soft_cap=None):
     kv = kv.clone()
     flat = kv.view(2, -1, Hkv, D)
     flat[0, md.slot_mapping] = k
@@ -47,6 +47,8 @@ def dense_reference(kv, md, q, k, v, table, H, Hkv, D, bs, window):
         if window:
             visible &= qpos - kpos < window
         s = q[a:b].transpose(0, 1) @ keys.transpose(1, 2) * D**-0.5
+        if soft_cap:
+            s = soft_cap * torch.tanh(s / soft_cap)
         s = s.masked_fill(~visible, float("-inf"))
         out[a:b] = (torch.softmax(s, -1) @ vals).transpose(0, 1)
     return out
@@ -108,3 +110,26 @@ def test_kernel_head_groups_and_dims(H, Hkv, D):
     ref = dense_reference(kv, md, q, k, v, table, H, Hkv, D, 16, None)
     impl = torch_native.TorchNativeAttention(H, Hkv, D, D**-0.5, None)
     torch.testing.assert_close(impl.forward(q, k, v, kv, md), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", [0, 1])
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("use_kernel,dtype", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)])
+def test_logit_soft_cap(monkeypatch, case, window, use_kernel, dtype):
+    """Gemma 2's soft-capping (cap * tanh(score / cap) before the softmax), with a cap small enough
+    to change the result, in the decode and prefill kernels and the torch paths."""
+    if use_kernel and cpu_kernels.load() is None:
+        pytest.skip("no C++ compiler: kernel unavailable")
+    if not use_kernel:
+        monkeypatch.setattr(cpu_kernels, "ready", lambda: None)
+    H, Hkv, D, bs, cap = 6, 2, 32, 16, 1.5
+    kv, md, q, k, v, table, _, _ = make_batch(**CASES[case], H=H, Hkv=Hkv, D=D, bs=bs, seed=11)
+    q = q * 3  # scores well past the cap
+    kv, q, k, v = (t.to(dtype) for t in (kv, q, k, v))
+    args = (md, q.float(), k.float(), v.float(), table, H, Hkv, D, bs, window)
+    ref = dense_reference(kv.float(), *args, soft_cap=cap)
+    uncapped = dense_reference(kv.float(), *args)
+    assert (ref - uncapped).abs().max() > 0.1
+    out = torch_native.TorchNativeAttention(H, Hkv, D, D**-0.5, window, logits_soft_cap=cap).forward(q, k, v, kv, md)
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), ref, **tol)

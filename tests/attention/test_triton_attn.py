@@ -237,7 +237,7 @@ class Case:
         v = cache[1].reshape(-1, self.num_kv_heads, self.head_dim)[slot]
         return k, v
 
-    def reference(self, sliding_window: int | None) -> torch.Tensor:
+    def reference(self, sliding_window: int | None, soft_cap: float | None = None) -> torch.Tensor:
         """Dense fp32 attention, K/V gathered from the cache (after the kernel stored them)."""
         qpk = self.num_heads // self.num_kv_heads
         out = torch.zeros(self.num_tokens, self.num_heads, self.head_dim)
@@ -250,6 +250,8 @@ class Case:
             start = int(self.query_start_loc_cpu[i])
             q = query[start : start + q_len]  # [q_len, H, D]
             scores = torch.einsum("qhd,khd->hqk", q, k) * self.scale
+            if soft_cap:
+                scores = soft_cap * torch.tanh(scores / soft_cap)
             qpos = torch.arange(seq_len - q_len, seq_len)[:, None]
             kpos = torch.arange(seq_len)[None, :]
             visible = kpos <= qpos
@@ -277,9 +279,10 @@ def _random_reqs(rng: random.Random, block_size: int, n: int, max_blocks: int) -
     return reqs
 
 
-def _run(case: Case, sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+def _run(case: Case, sliding_window: int | None = None, num_splits: int | None = None,
+         soft_cap: float | None = None) -> torch.Tensor:
     impl = TritonAttentionBackend.make_impl(
-        case.num_heads, case.num_kv_heads, case.head_dim, case.scale, sliding_window
+        case.num_heads, case.num_kv_heads, case.head_dim, case.scale, sliding_window, soft_cap
     )
     impl.num_splits = num_splits
     out = impl.forward(case.query, case.key, case.value, case.kv_cache, case.metadata())
@@ -287,7 +290,7 @@ def _run(case: Case, sliding_window: int | None = None, num_splits: int | None =
     return out
 
 
-def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None) -> None:
+def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
     n = case.num_tokens
     got = out[:n].float().cpu()
     assert torch.isfinite(got).all()
@@ -296,7 +299,7 @@ def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None) -> 
     for i in range(len(case.reqs)):
         k, v = case.gather_kv(i, cache)
         assert torch.equal(k, case.full_k[i]) and torch.equal(v, case.full_v[i])
-    ref = case.reference(sliding_window)
+    ref = case.reference(sliding_window, soft_cap)
     atol, rtol = TOL[case.dtype]
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
 
@@ -379,6 +382,18 @@ def test_sliding_window(window):
     reqs = [(45, 1), (40, 13), (30, 30), (5, 2)]
     case = Case(reqs, block_size=8, num_kv_heads=2, qpk=2, head_dim=64, dtype=torch.float32, seed=window).to(DEVICE)
     _check(case, _run(case, sliding_window=window), sliding_window=window)
+
+
+@pytest.mark.parametrize("window,num_splits,dtype", [(None, None, torch.float32), (12, None, torch.float32),
+                                                  (None, 2, torch.float32), (None, None, torch.bfloat16)])
+def test_logit_soft_cap(window, num_splits, dtype):
+    """Gemma 2's cap * tanh(score / cap) before the softmax; a small cap so it changes the result."""
+    reqs = [(45, 1), (40, 13), (30, 30), (5, 2)] if num_splits is None else [(90, 1), (33, 1)]
+    case = Case(reqs, block_size=8, num_kv_heads=2, qpk=2, head_dim=64, dtype=dtype, seed=5)
+    case.query = case.query * 4  # scores well past the cap
+    case = case.to(DEVICE)
+    _check(case, _run(case, sliding_window=window, num_splits=num_splits, soft_cap=2.0), window, soft_cap=2.0)
+    assert (case.reference(window, 2.0) - case.reference(window)).abs().max() > 0.1  # (K/V now in the cache)
 
 
 @pytest.mark.parametrize(
@@ -489,7 +504,7 @@ class Recorder:
 for name in ("_unified_attention_kernel", "_reduce_splits_kernel", "_reshape_and_cache_kernel"):
     setattr(ta, name, Recorder(getattr(ta, name)))
 
-def launch(reqs, dtype, qpk, head_dim, block_size, window=None, splits=None, kv_heads=2):
+def launch(reqs, dtype, qpk, head_dim, block_size, window=None, splits=None, kv_heads=2, soft_cap=None):
     # Shapes/dtypes exactly as the engine passes them; contents don't matter (nothing runs).
     seq = np.array([s for s, _ in reqs], dtype=np.int32)
     ql = np.array([q for _, q in reqs], dtype=np.int32)
@@ -505,7 +520,7 @@ def launch(reqs, dtype, qpk, head_dim, block_size, window=None, splits=None, kv_
     h = kv_heads * qpk
     qkv = torch.zeros(n, h + 2 * kv_heads, head_dim, dtype=dtype)
     cache = torch.zeros(2, nblk, block_size, kv_heads, head_dim, dtype=dtype)
-    impl = ta.TritonAttentionBackend.make_impl(h, kv_heads, head_dim, head_dim ** -0.5, window)
+    impl = ta.TritonAttentionBackend.make_impl(h, kv_heads, head_dim, head_dim ** -0.5, window, soft_cap)
     impl.num_splits = splits
     impl.forward(qkv[:, :h], qkv[:, h:h + kv_heads], qkv[:, h + kv_heads:], cache, md)
 
@@ -514,6 +529,7 @@ launch([(300, 1), (90, 1)], torch.bfloat16, 4, 128, 16, window=64, splits=4)  # 
 launch([(64, 64), (40, 13), (9, 1)], torch.float32, 1, 64, 32)            # prefill, fp32 ieee dots
 launch([(50, 20), (7, 1)], torch.float16, 3, 80, 8)                       # odd group/head dim
 launch([(33, 1)], torch.bfloat16, 1, 64, 16, kv_heads=1)                   # num_reqs == 1, num_heads == 1 (int specialisation)
+launch([(64, 64), (40, 1)], torch.bfloat16, 2, 256, 16, window=32, soft_cap=50.0)  # Gemma 2: soft-cap + window
 
 seen = set()
 for fn, args, kw in calls:

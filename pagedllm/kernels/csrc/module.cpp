@@ -44,8 +44,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   features.append("amx_bf16");
 #endif
   m.attr("compiled_features") = features;
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention over the KV cache blocks");
-  m.def("paged_prefill_attention", &paged_prefill_attention,
+  // soft_cap > 0: scores become soft_cap * tanh(score / soft_cap) before the softmax (Gemma 2)
+  m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("soft_cap") = 0.0, "paged decode attention over the KV cache blocks");
+  m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("block_table"), py::arg("q_start"), py::arg("q_len"), py::arg("seq_len"),
+        py::arg("scale"), py::arg("sliding_window"), py::arg("soft_cap") = 0.0,
         "causal attention of prompt chunks over the KV cache blocks (cached prefix + the chunk)");
   m.def("packed_linear", &packed_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), "y = x w^T (+ bias) with w packed by pack_linear_weight; x's dtype out");

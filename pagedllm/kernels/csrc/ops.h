@@ -16,9 +16,10 @@ using at::Tensor;
 
 // attention.cpp
 void paged_decode_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table,
-                            Tensor seq_lens, double scale, int64_t sliding_window);
+                            Tensor seq_lens, double scale, int64_t sliding_window, double soft_cap);
 void paged_prefill_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table,
-                             Tensor q_start, Tensor q_len, Tensor seq_len, double scale, int64_t sliding_window);
+                             Tensor q_start, Tensor q_len, Tensor seq_len, double scale, int64_t sliding_window,
+                             double soft_cap);
 
 // gemm.cpp
 Tensor packed_linear(Tensor x, Tensor packed, int64_t out_features, std::optional<Tensor> bias);

@@ -212,17 +212,18 @@ void value_pass(const Task& t, const T* vc, const float* s, int64_t ls, int64_t 
 // horizontal sums) on the critical path, and the scores (heads x positions floats) stay in cache.
 template <typename T>
 void attend(const Task& t, const T* kc, const T* vc, float* acc /*[nkv * G, D]*/, float* l,
-            std::vector<float>& scores) {
+            std::vector<float>& scores, float soft_cap) {
   const int64_t R = t.nkv * t.G, ls = (t.n + 7) / 8 * 8;
   if (static_cast<int64_t>(scores.size()) < R * ls) scores.resize(R * ls);
   std::fill(acc, acc + R * t.D, 0.0f);
   score_pass(t, kc, R, t.G, scores.data(), ls);
+  if (soft_cap > 0.0f) soft_cap8(scores.data(), R * ls, soft_cap);  // one extra pass, only where asked
   for (int64_t r = 0; r < R; ++r) l[r] = exp_row(scores.data() + r * ls, ls);
   value_pass(t, vc, scores.data(), ls, R, t.G, acc);
 }
 #else
 template <typename T>
-void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::vector<float>& m_work) {
+void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::vector<float>& m_work, float soft_cap) {
   const int64_t R = t.nkv * t.G, G = t.G, D = t.D;
   if (static_cast<int64_t>(m_work.size()) < R) m_work.resize(R);
   float* m = m_work.data();  // online softmax: running max per head
@@ -236,6 +237,7 @@ void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::
       const float* qr = t.q + r * D;
       float s = 0.0f;
       for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(kr[hoff + d]);
+      if (soft_cap > 0.0f) s = soft_cap * std::tanh(s / soft_cap);
       const float m_new = std::max(m[r], s);
       const float alpha = std::exp(m[r] - m_new), w = std::exp(s - m_new);
       l[r] = l[r] * alpha + w;
@@ -249,7 +251,7 @@ void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::
 
 template <typename T>
 void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-         torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+         torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window, double soft_cap) {
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t G = H / Hkv, max_blocks = block_table.size(1);
@@ -277,7 +279,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
       const T* qh = q + b * q_stride + h0 * G * D;
       for (int64_t i = 0; i < rows * D; ++i) qs[i] = to_float(qh[i]) * fscale;
       const Task t{qs.data(), L - start, start, bt + b * max_blocks, bs, Hkv * D, h0 * D, nkv, G, D};
-      attend<T>(t, kc, vc, acc.data(), l.data(), work);
+      attend<T>(t, kc, vc, acc.data(), l.data(), work, static_cast<float>(soft_cap));
       T* oh = o + (b * H + h0 * G) * D;
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
@@ -295,7 +297,8 @@ inline void paged_decode_attention(torch::Tensor out,          // [B, H, D]
                             torch::Tensor value_cache,  // [num_blocks, block_size, Hkv, D]
                             torch::Tensor block_table,  // [B, max_blocks] int32
                             torch::Tensor seq_lens,     // [B] int32
-                            double scale, int64_t sliding_window) {
+                            double scale, int64_t sliding_window,
+                            double soft_cap) {          // > 0: scores become soft_cap * tanh(score / soft_cap)
   const auto dtype = key_cache.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "paged_decode_attention: float32 or bfloat16 cache");
   TORCH_CHECK(query.scalar_type() == dtype && out.scalar_type() == dtype && value_cache.scalar_type() == dtype,
@@ -308,9 +311,9 @@ inline void paged_decode_attention(torch::Tensor out,          // [B, H, D]
   TORCH_CHECK(query.size(2) % 8 == 0, "paged_decode_attention: head_dim must be a multiple of 8");
   using decode::run;
   if (dtype == torch::kFloat32) {
-    run<float>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+    run<float>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, soft_cap);
   } else {
-    run<c10::BFloat16>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window);
+    run<c10::BFloat16>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, soft_cap);
   }
 }
 

@@ -31,7 +31,7 @@ struct Chunk {
 
 template <typename T>
 void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row_stride, const T* kc, const T* vc, T* o, int64_t H,
-              int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, std::vector<float>& qs,
+              int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t window, float soft_cap, std::vector<float>& qs,
               std::vector<float>& scores, std::vector<float>& acc, std::vector<float>& l) {
   const int64_t G = H / Hkv;
   const int64_t i0 = tile * kQueryTile, i1 = std::min(c.q_len, i0 + kQueryTile);
@@ -53,6 +53,7 @@ void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row
   float* s = scores.data();
 #ifdef PAGEDLLM_AVX2
   decode::score_pass(t, kc, R, R, s, ls);  // the task's rows all read kv head h (t.head_off)
+  if (soft_cap > 0.0f) soft_cap8(s, R * ls, soft_cap);  // before the masks: only where asked
   for (int64_t r = 0; r < R; ++r) {
     float* sr = s + r * ls;
     const int64_t pos = first_pos + r / G;
@@ -76,6 +77,7 @@ void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row
         const T* kr = decode::row_ptr(kc, t, k0 + j);
         v = 0.0f;
         for (int64_t d = 0; d < D; ++d) v += qs[r * D + d] * to_float(kr[d]);
+        if (soft_cap > 0.0f) v = soft_cap * std::tanh(v / soft_cap);
       }
       sr[j] = v;
       mx = std::max(mx, v);
@@ -102,7 +104,7 @@ void run_task(const Chunk& c, int64_t h, int64_t tile, const T* q, int64_t q_row
 template <typename T>
 void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
          torch::Tensor block_table, torch::Tensor q_start, torch::Tensor q_len, torch::Tensor seq_len, double scale,
-         int64_t window) {
+         int64_t window, double soft_cap) {
   const int64_t H = query.size(1), D = query.size(2), bs = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t P = q_start.size(0), max_blocks = block_table.size(1);
   std::vector<Chunk> chunks(P);
@@ -126,7 +128,7 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
       p = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
       const int64_t local = task - first_task[p];
       run_task<T>(chunks[p], local % Hkv, local / Hkv, q, q_row_stride, kc, vc, o, H, Hkv, D, bs, static_cast<float>(scale), window,
-                  qs, scores, acc, l);
+                  static_cast<float>(soft_cap), qs, scores, acc, l);
     }
   }
 }
@@ -141,7 +143,8 @@ inline void paged_prefill_attention(torch::Tensor out,          // [T, H, D]: ro
                                     torch::Tensor q_start,      // [P] int32: first row of each chunk
                                     torch::Tensor q_len,        // [P] int32
                                     torch::Tensor seq_len,      // [P] int32: context length after the chunk
-                                    double scale, int64_t sliding_window) {
+                                    double scale, int64_t sliding_window,
+                                    double soft_cap) {  // > 0: scores become soft_cap * tanh(score / soft_cap)
   const auto dtype = key_cache.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "paged_prefill_attention: float32 or bfloat16 cache");
   TORCH_CHECK(query.scalar_type() == dtype && out.scalar_type() == dtype && value_cache.scalar_type() == dtype,
@@ -154,10 +157,11 @@ inline void paged_prefill_attention(torch::Tensor out,          // [T, H, D]: ro
   TORCH_CHECK(q_start.size(0) == q_len.size(0) && q_len.size(0) == seq_len.size(0) && block_table.size(0) == q_len.size(0),
               "paged_prefill_attention: one block table row, start, length and seq len per chunk");
   if (dtype == torch::kFloat32) {
-    prefill::run<float>(out, query, key_cache, value_cache, block_table, q_start, q_len, seq_len, scale, sliding_window);
+    prefill::run<float>(out, query, key_cache, value_cache, block_table, q_start, q_len, seq_len, scale, sliding_window,
+                        soft_cap);
   } else {
     prefill::run<c10::BFloat16>(out, query, key_cache, value_cache, block_table, q_start, q_len, seq_len, scale,
-                                sliding_window);
+                                sliding_window, soft_cap);
   }
 }
 

@@ -66,6 +66,21 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// Logit soft-capping of a score row in place: s = cap * tanh(s / cap), -inf (masked) entries kept.
+// tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|), the sign put back after.
+inline void soft_cap8(float* s, int64_t n /* multiple of 8 */, float cap) {
+  const __m256 vcap = _mm256_set1_ps(cap), inv = _mm256_set1_ps(1.0f / cap), one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), ninf = _mm256_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(s + i);
+    const __m256 y = _mm256_mul_ps(x, inv);
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.0f)));
+    const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    const __m256 capped = _mm256_mul_ps(vcap, _mm256_or_ps(t, _mm256_and_ps(sign, y)));
+    _mm256_storeu_ps(s + i, _mm256_blendv_ps(capped, ninf, _mm256_cmp_ps(x, ninf, _CMP_EQ_OQ)));
+  }
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
