@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
@@ -15,10 +17,12 @@ class RMSNorm(nn.Module):
     which the CPU kernels do in one pass (in place: x and residual are the caller's temporaries).
     """
 
-    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden: int, eps: float = 1e-6, weight_offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        if weight_offset:  # Gemma stores w and scales by (1 + w): the sum is kept, computed on load
+            self.weight.weight_loader = functools.partial(_offset_loader, weight_offset)  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         kernels = cpu_kernels.for_tensor(x)
@@ -40,3 +44,21 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(dtype)
+
+
+def _offset_loader(offset: float, param: torch.Tensor, loaded, shard_id=None) -> None:
+    w = loaded.full() if hasattr(loaded, "full") else loaded
+    param.data.copy_(w.float() + offset)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias (GPT-2), computed as torch's layer_norm does."""
+
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
