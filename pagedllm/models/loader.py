@@ -72,7 +72,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     name_target = getattr(model, "remap_checkpoint_name", None)
     loaded: set[str] = set()
     saw_lm_head = False
-    for name, tensor in iterate_weights(model_dir):
+    weights = iterate_weights(model_dir)
+    rewrite = getattr(model, "checkpoint_tensors", None)  # families whose tensors are renamed/split first
+    for name, tensor in rewrite(weights) if rewrite is not None else weights:
         if "rotary_emb.inv_freq" in name:
             continue
         shard_id = None

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
+from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
@@ -14,6 +17,9 @@ MODEL_REGISTRY = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

@@ -7,11 +7,12 @@ import functools
 import pytest
 import torch
 
+from checkpoints import hf_greedy
 from conftest import random_prompts
 from dense_checkpoints import WINDOW, make_dense_checkpoint
 from pagedllm import LLM, SamplingParams
 
-FAMILIES = ("gemma2", "gemma3")
+FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "gpt2")
 NEW = 16
 
 
@@ -67,13 +68,9 @@ def test_block16_chunked_prefill_preemption_prefix_caching(ckpts, family):
     """Block size 16, prompt chunks of 24 tokens, a cache too small for all five requests at once
     (preemption), prefix caching on; then the same prompts again (prefix-cache hits)."""
     path = ckpts[family]
-    probe = LLM(model=path, dtype="float32", kv_cache_memory=1 << 20, block_size=16)
-    tokens = probe.get_stats().num_total_blocks * 16
-    per_token = (1 << 20) // tokens
-    del probe
     # 12 blocks: the longest request (100 + 16 tokens = 8 blocks) fits alone, not the five together
     llm, outs = generate(path, block_size=16, max_num_batched_tokens=24, enable_prefix_caching=True,
-                         kv_cache_memory=12 * 16 * per_token, max_model_len=160)
+                         num_gpu_blocks_override=12, max_model_len=160)
     check(outs, reference(path))
     stats = llm.get_stats()
     assert stats.num_preemptions > 0
@@ -93,3 +90,15 @@ def test_block1(ckpts, family):
 
 def test_prompts_cross_the_window():
     assert sum(len(p) > WINDOW for p in prompts()) >= 4
+
+
+def test_yarn_rope_scaling_matches_hf(make_ckpt):
+    """YaRN in the shared rotary layer (long-context Qwen, DeepSeek), on a Llama checkpoint whose
+    prompts run past original_max_position_embeddings."""
+    path = make_ckpt("llama_yarn", "llama", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 32})
+    ps = random_prompts((5, 60), seed=2)
+    llm = LLM(model=path, dtype="float32", kv_cache_memory=8 << 20)
+    outs = llm.generate(prompt_token_ids=ps, sampling_params=SamplingParams(temperature=0.0, max_tokens=NEW,
+                                                                            ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, ps, NEW)
