@@ -16,7 +16,7 @@ def profile_peak_forward(worker, num_tokens: int) -> int:
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // spec.block_size)
     num_blocks = num_seqs * blocks_per_seq
-    tmp = torch.zeros((2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype, device=dev)
+    tmp = torch.zeros((spec.planes, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype, device=dev)
     layers = worker.model.attention_layers()
     for i, layer in enumerate(layers):
         layer.bind(worker.backend, tmp[:, i])

@@ -58,16 +58,26 @@ def cpu_has_native_bf16() -> bool:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """Per layer ``planes`` x [num_blocks, block_size, num_kv_heads, head_dim]: 2 planes (K and V)
+    for multi-head attention; 1 plane of one vector per token for multi-head latent attention
+    (DeepSeek's compressed latent and rope key: num_kv_heads 1, head_dim kv_lora_rank +
+    qk_rope_head_dim)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: torch.dtype
+    planes: int = 2
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.block_size * self.bytes_per_token
 
 
 class Worker:
@@ -110,7 +120,8 @@ class Worker:
                         d["isa_cpu_best"])
         layers = self.model.attention_layers()
         a0 = layers[0]
-        self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype)
+        self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype,
+                                   getattr(a0, "kv_planes", 2))
         self.backend = get_attention_backend(self.device)
         self.num_blocks = 0
         self.activation_bytes = 0  # measured (CUDA) or estimated (CPU) peak of one step
@@ -184,7 +195,7 @@ class Worker:
                            self.max_model_len, fitted, num_blocks, spec.block_size)
         self.max_model_len = fitted
         self.num_blocks = num_blocks
-        shape = (2, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.planes, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         if self.device.type == "cpu":
             self.kv_cache = cpu_kv_cache_memory(num_blocks * spec.bytes_per_block).view(spec.dtype).view(shape)
         else:
@@ -212,6 +223,12 @@ class Worker:
                         spec.block_size, tokens, gib(spec.bytes_per_block // spec.block_size), self.max_model_len,
                         tokens / self.max_model_len)
             logger.info("KV cache budget: %s", self.budget_note)
+            mha = getattr(self.model, "mha_kv_elements_per_token", None)
+            if mha is not None:  # latent attention: say what the cache saves
+                equivalent = mha() * torch.empty((), dtype=spec.dtype).element_size()
+                logger.info("KV cache per token: %d bytes of compressed latent + rope key (the same attention as "
+                            "MHA would cache %d bytes: %.1fx more)", spec.bytes_per_token, equivalent,
+                            equivalent / spec.bytes_per_token)
 
     def execute(self, scheduler_output):
         return self.runner.execute(scheduler_output)

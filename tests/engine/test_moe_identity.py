@@ -13,6 +13,9 @@ LENGTHS = (1, 3, 17, 40, 90)
 NEW = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW, ignore_eos=True)
 
+DEEPSEEK = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=32,
+                q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
 CASES = {
     # always renormalised, 8 experts top 2
     "mixtral": dict(arch="mixtral", extra=dict(num_local_experts=8, num_experts_per_tok=2)),
@@ -24,6 +27,12 @@ CASES = {
     "qwen3_moe": dict(arch="qwen3_moe", layers=3, extra=dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         decoder_sparse_step=2)),
+    # MLA (q and kv low-rank, interleaved rope) + DeepSeek-V3 routing: layer 0 dense, then MoE with
+    # grouped sigmoid top-2 (4 groups, best 2), correction bias, scaling 2.5 and one shared expert
+    "deepseek_v3": dict(arch="deepseek_v3", layers=3, kv_heads=4, extra=DEEPSEEK),
+    # no q low-rank, plain (non-interleaved) rope, ungrouped routing without renormalisation
+    "deepseek_v3_plain": dict(arch="deepseek_v3", layers=2, kv_heads=4, extra=dict(
+        DEEPSEEK, q_lora_rank=None, rope_interleave=False, n_group=1, topk_group=1, norm_topk_prob=False)),
 }
 
 
@@ -71,3 +80,18 @@ def test_preemption(make_ckpt, name, caching):
                         enable_prefix_caching=caching)
     assert stats.num_preemptions > 0
     assert got == reference(path, PREEMPT_LENGTHS)
+
+
+def test_mla_caches_one_small_vector_per_token(make_ckpt):
+    """The latent cache: one plane of kv_lora_rank + qk_rope_head_dim per token and layer, far below
+    what the same attention would cache as MHA (K and V for every head)."""
+    path = checkpoint(make_ckpt, "deepseek_v3")
+    _, _, llm = run(path)
+    worker = llm.engine.core.executor.worker
+    spec = worker.kv_spec
+    assert (spec.planes, spec.num_kv_heads, spec.head_dim) == (1, 1, 32 + 8)
+    assert tuple(worker.kv_cache.shape[:2]) == (1, 3) and worker.kv_cache.shape[-1] == 40
+    mha = worker.model.mha_kv_elements_per_token() * 4  # 3 layers x 4 heads x (24 + 16), float32
+    assert spec.bytes_per_token == 3 * 40 * 4 and spec.bytes_per_token * 4 == mha  # 4x here
+    # at DeepSeek-V3's own shape (128 heads, 192 + 128 dims, R 512 + 64) it is 71x
+    assert 128 * (192 + 128) / (512 + 64) > 70
