@@ -13,22 +13,34 @@ MODELS = {
     # A TinyLlama-1.1B-shaped model: memory-bandwidth-bound decode (2.2 GB of bf16 weights).
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                      intermediate_size=5632),
+    # Mixtral-shaped sparse MoE (MixtralForCausalLM): 8 experts, top 2; the -top1 / -16e variants
+    # show step time following the active experts, not the total.
+    "mixtral-moe": dict(arch="mixtral", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                        num_key_value_heads=4, intermediate_size=1024, num_local_experts=8, num_experts_per_tok=2),
+    "mixtral-moe-top1": dict(arch="mixtral", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                             num_key_value_heads=4, intermediate_size=1024, num_local_experts=8, num_experts_per_tok=1),
+    "mixtral-moe-16e": dict(arch="mixtral", hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
+                            num_key_value_heads=4, intermediate_size=1024, num_local_experts=16, num_experts_per_tok=2),
 }
 CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "bench-models")
 
 
 def ensure_model(name: str) -> str:
-    """Create (once) a bf16 random-weight LlamaForCausalLM, vocab 32000, seed 0."""
+    """Create (once) a bf16 random-weight LlamaForCausalLM (MixtralForCausalLM for the MoE
+    entries), vocab 32000, seed 0."""
     path = os.path.join(CACHE_DIR, name)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=32000, max_position_embeddings=4096, torch_dtype="bfloat16",
-                         bos_token_id=1, eos_token_id=2, **MODELS[name])
+    fields = dict(MODELS[name])
+    config_cls, model_cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+                             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM)}[fields.pop("arch", "llama")]
+    cfg = config_cls(vocab_size=32000, max_position_embeddings=4096, torch_dtype="bfloat16",
+                     bos_token_id=1, eos_token_id=2, **fields)
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model = model_cls(cfg).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

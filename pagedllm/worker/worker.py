@@ -112,6 +112,8 @@ class Worker:
             if config.cpu_kernels:
                 cpu_kernels.load(config.kernel_cache_dir)
             pack_linear_weights(self.model, self.dtype)
+            for module in [m for m in self.model.modules() if hasattr(m, "pack_for_cpu")]:
+                module.pack_for_cpu(self.dtype)  # MoE experts: each expert's projections
             keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS
             self.cpu_description = cpu_kernels.describe()
             d = self.cpu_description

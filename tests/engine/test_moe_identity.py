@@ -82,6 +82,17 @@ def test_preemption(make_ckpt, name, caching):
     assert got == reference(path, PREEMPT_LENGTHS)
 
 
+def test_deepseek_v3_yarn_matches_hf(make_ckpt):
+    """YaRN past original_max_position_embeddings (64): scaled rope frequencies, cos/sin scaled by
+    mscale / mscale_all_dim, and mscale_all_dim's square in the softmax scale."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+            "mscale": 0.8, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+    path = make_ckpt("moe_deepseek_v3_yarn", "deepseek_v3", layers=2, kv_heads=4, max_pos=256,
+                     extra=dict(DEEPSEEK, rope_parameters=yarn))
+    got, _, _ = run(path)
+    assert got == reference(path)
+
+
 def test_mla_caches_one_small_vector_per_token(make_ckpt):
     """The latent cache: one plane of kv_lora_rank + qk_rope_head_dim per token and layer, far below
     what the same attention would cache as MHA (K and V for every head)."""
