@@ -4,11 +4,15 @@
 (2-core AVX2 EPYC, M=8 rows x 768 -> 2048: 13 GFLOP/s). Two packed forms replace it:
 
 - pagedllm's own GEMM (``kernels/csrc/packed_gemm.h``) when the C++ kernels are built: the weight
-  in 16-column panels, float32 or bfloat16 as the model is (bf16 widened on load, float32
-  arithmetic). ``benchmarks/cpu_gemm.py`` (llama-100m's 12 layers of products, weights streamed
-  from memory as in a decode step) measured it above oneDNN's packed GEMM at every row count:
-  M=1 14.0 vs 11.7 GFLOP/s, M=8 85.6 vs 57.6, M=64 155 vs 118, M=512 159 vs 146, M=2048 144 vs
-  138; with bf16 weights decode-sized products read half the bytes (M=8: 118).
+  packed once by the kernels module (``pack_linear_weight``, in the layout of the GEMM path its
+  ISA level compiled, ``gemm_path()``), float32 or bfloat16 as the model is. On AVX512-BF16 CPUs
+  bf16 layers run vdpbf16ps (bf16 products, float32 sums); on AVX-512 / AVX2 bf16 weights are
+  widened on load and multiplied in float32. ``benchmarks/cpu_gemm.py`` (llama-100m's 12 layers of
+  products, weights streamed from memory as in a decode step; docs/benchmarks.md has the
+  commands): on a 2-core AVX512-BF16 EPYC, bf16 M=1 44 vs oneDNN's native bf16 38 GFLOP/s,
+  M=8 327 vs 276, M=64 797 vs 758, M=512 867 vs 891 (oneDNN 3% ahead from here up); float32 M=8
+  171 vs 141, M=64 415 vs 393, M=512 433 vs 450. On a 2-core AVX2 EPYC (the AVX2 path): float32
+  M=8 85.6 vs oneDNN 57.6, M=512 159 vs 146.
 - Without the kernels (no compiler): oneDNN's blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``, the pair torch.compile
   uses). A bfloat16 model on a CPU without native bf16 (no AVX512-BF16/AMX) has its weights
