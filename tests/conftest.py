@@ -1,5 +1,4 @@
 import os
-import random
 import sys
 
 import pytest
@@ -8,6 +7,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from checkpoints import make_checkpoint  # noqa: E402
+from prompts import random_prompts  # noqa: E402,F401  (re-exported for older imports)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_MODEL = os.path.join(REPO, "models", "tiny-shakespeare")
@@ -36,11 +36,6 @@ def default_model():
     if not os.path.exists(os.path.join(DEFAULT_MODEL, "model.safetensors")):
         pytest.skip("embedded default model not trained yet")
     return DEFAULT_MODEL
-
-
-def random_prompts(lengths, vocab=512, seed=0):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="session")

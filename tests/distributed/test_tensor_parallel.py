@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import random_prompts
+from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")

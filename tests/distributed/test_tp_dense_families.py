@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import random_prompts
+from prompts import random_prompts
 from dense_checkpoints import make_dense_checkpoint
 from pagedllm import LLM, SamplingParams
 

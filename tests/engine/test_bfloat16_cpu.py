@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from checkpoints import assert_greedy_agrees, make_checkpoint
-from conftest import random_prompts
+from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
 NEW = 24

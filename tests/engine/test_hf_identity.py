@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy, hf_model
-from conftest import random_prompts
+from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
 LENGTHS = (1, 3, 17, 64, 150, 300)

@@ -6,7 +6,7 @@ import functools
 import pytest
 
 from checkpoints import hf_greedy
-from conftest import random_prompts
+from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
 LENGTHS = (1, 3, 17, 40, 90)

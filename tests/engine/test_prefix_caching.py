@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from conftest import random_prompts
+from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

@@ -1,7 +1,7 @@
 """Seeds, n>1, stop strings / stop tokens / min_tokens / ignore_eos, penalties, abort and bad input."""
 import pytest
 
-from conftest import random_prompts
+from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from conftest import random_prompts
+from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import AsyncLLM, RequestFailedError

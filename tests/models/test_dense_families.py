@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpoints import hf_greedy
-from conftest import random_prompts
+from prompts import random_prompts
 from dense_checkpoints import WINDOW, make_dense_checkpoint
 from pagedllm import LLM, SamplingParams
 
