@@ -4,7 +4,7 @@ Heavy modules (torch, transformers) load lazily so ``pagedllm serve`` starts fas
 """
 from __future__ import annotations
 
-from pagedllm.version import __version__
+from pagedllm.version import __version__  # noqa: F401  (the package version)
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
 
 

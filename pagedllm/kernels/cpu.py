@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
-import json
 import logging
 import sys
 import threading

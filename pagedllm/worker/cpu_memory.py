@@ -11,7 +11,6 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
-import os
 
 import torch
 

@@ -6,10 +6,10 @@ JSON with a non-null ``code``; a 500 names a request id, never internal details 
 is logged under that id). A client that disconnects (streaming or not) aborts its engine requests.
 
 Every response carries ``X-Request-Id`` (the client's, or a generated one; log lines carry it
-too). Request bodies are read by ``_RequestGuard`` before the app sees them: over
+too). Request bodies are read by ``middleware.RequestGuard`` before the app sees them: over
 ``max_request_body_size`` -> 413, a body that stalls longer than ``http_read_timeout`` -> 408,
 a Content-Type other than JSON on a POST -> 415. A connection that does not finish sending a
-request's headers within ``http_read_timeout`` is closed (``_H11Protocol``).
+request's headers within ``http_read_timeout`` is closed (``middleware.h11_protocol``).
 
 SIGTERM: uvicorn stops accepting, new requests get 503 ``shutting_down``, in-flight ones may
 finish for ``shutdown_timeout`` seconds; then every open one is ended with an error (an error
@@ -20,10 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import secrets
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -39,23 +37,11 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest, TokenizeResponse, VersionResponse,
 )
 from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingOptions, ShuttingDown, internal_error
-from pagedllm.entrypoints.request_id import request_id_var
+from pagedllm.entrypoints.openai.middleware import AuthMiddleware, RequestGuard, error_response, h11_protocol, json_response
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
 from pagedllm.version import __version__
 
 logger = logging.getLogger("pagedllm.server")
-
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
-
-
-def _json(model, status: int = 200, headers: Optional[dict[str, str]] = None) -> Response:
-    return Response(content=model.model_dump_json(), status_code=status, media_type="application/json",
-                    headers=headers)
-
-
-def _error(status: int, message: str, param=None, code=None, type=None, headers=None) -> Response:
-    return _json(APIError(status, message, param, code, type).body(), status, headers)
-
 
 _BASE_BODY_BYTES = 4 << 20
 
@@ -192,155 +178,6 @@ class ServerState:
             last_tokens, last_t = tokens, now
 
 
-class _AuthMiddleware:
-    """Bearer API key on everything but the open paths (pure ASGI: streaming is untouched)."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app, self._key = app, api_key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = auth.partition(b" ")
-            if scheme.lower() != b"bearer" or not secrets.compare_digest(token.strip(), self._key):
-                resp = _error(401, "Incorrect or missing API key: pass 'Authorization: Bearer <key>'.",
-                              code="invalid_api_key")
-                return await resp(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-
-_REQUEST_ID_OK = re.compile(r"[!-~]{1,128}")  # visible ASCII, at most 128 characters
-_JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
-
-
-class _RequestGuard:
-    """Pure ASGI, outermost: gives every request an id (X-Request-Id echoed or generated, set for
-    log lines), refuses a new request while shutting down, and reads POST bodies itself --
-    bounded in size (413) and in the time between chunks (408), JSON only (415) -- before the
-    app sees them. Streaming responses pass untouched."""
-
-    def __init__(self, app, state: "ServerState") -> None:
-        self.app, self.state = app, state
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        given = headers.get(b"x-request-id", b"").decode("latin-1")
-        rid = given if _REQUEST_ID_OK.fullmatch(given) else uuid.uuid4().hex
-        request_id_var.set(rid)
-        scope.setdefault("state", {})["request_id"] = rid
-
-        async def send_with_id(message):
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
-            await send(message)
-
-        if scope["method"] == "POST" and scope["path"] in _JSON_PATHS:
-            ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
-            if ctype and ctype != "application/json" and not ctype.endswith("+json"):
-                return await _error(415, f"the Content-Type must be application/json, got {ctype!r}",
-                                    code="unsupported_media_type")(scope, receive, send_with_id)
-            limit = self.state.max_body_size
-            try:
-                declared = int(headers.get(b"content-length", b"-1"))
-            except ValueError:
-                declared = -1
-            if declared > limit:
-                return await self._too_large(declared, limit, scope, receive, send_with_id)
-            chunks, size, timeout = [], 0, self.state.args.http_read_timeout
-            while True:
-                try:
-                    message = await asyncio.wait_for(receive(), timeout)
-                except asyncio.TimeoutError:
-                    return await _error(408, f"the request body was not received: nothing arrived for {timeout:g} s",
-                                        code="body_timeout")(scope, receive, send_with_id)
-                if message["type"] == "http.disconnect":
-                    return
-                body = message.get("body", b"")
-                size += len(body)
-                if size > limit:
-                    return await self._too_large(size, limit, scope, receive, send_with_id)
-                chunks.append(body)
-                if not message.get("more_body", False):
-                    break
-            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-            async def receive_replayed():
-                return replay.pop() if replay else await receive()
-
-            return await self.app(scope, receive_replayed, send_with_id)
-        return await self.app(scope, receive, send_with_id)
-
-    @staticmethod
-    async def _too_large(size: int, limit: int, scope, receive, send):
-        resp = _error(413, f"the request body is {'at least ' if size <= limit else ''}{size} bytes; this server "
-                           f"accepts at most {limit} (--max-request-body-size)", code="request_too_large",
-                      headers={"Connection": "close"})
-        await resp(scope, receive, send)
-
-
-def _h11_protocol(header_timeout: float):
-    """uvicorn's h11 protocol, closing a connection that does not deliver a request's headers
-    within ``header_timeout`` seconds of connecting or of sending its first bytes after the
-    previous response (idle keep-alive connections are uvicorn's timeout_keep_alive), and
-    answering requests it cannot parse with our JSON error shape."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class _H11Protocol(H11Protocol):
-        _header_timer = None
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def _waiting_for_headers(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout, self._expired)
-
-        def _expired(self) -> None:
-            self._header_timer = None
-            if self._waiting_for_headers() and not self.transport.is_closing():
-                self.transport.close()
-
-        def data_received(self, data: bytes) -> None:
-            if self._waiting_for_headers():
-                self._arm()
-            super().data_received(data)
-            if not self._waiting_for_headers() and self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def send_400_response(self, msg: str) -> None:
-            """uvicorn's answer to a request it cannot parse (bad request line, headers, framing),
-            in our JSON error shape instead of plain text."""
-            import h11
-
-            body = APIError(400, f"invalid HTTP request: {msg.rstrip('.')}", code="invalid_http").body()
-            data = body.model_dump_json().encode()
-            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
-                       (b"content-length", str(len(data)).encode())]
-            try:
-                for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=data),
-                              h11.EndOfMessage()):
-                    self.transport.write(self.conn.send(event))
-            except h11.LocalProtocolError:  # the connection's state allows no response: just close
-                pass
-            self.transport.close()
-
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            super().connection_lost(exc)
-
-    return _H11Protocol
-
-
-
 class _SSEResponse(StreamingResponse):
     """A streaming response that always runs ``on_close`` (abort the engine requests), however
     the stream ends: finished, client gone, or cancelled at shutdown."""
@@ -404,12 +241,12 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
                   redoc_url=None)
     app.state.server = state
     if state.api_key:
-        app.add_middleware(_AuthMiddleware, api_key=state.api_key)
-    app.add_middleware(_RequestGuard, state=state)  # outermost
+        app.add_middleware(AuthMiddleware, api_key=state.api_key)
+    app.add_middleware(RequestGuard, state=state)  # outermost
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return _json(exc.body(), exc.status, exc.headers)
+        return json_response(exc.body(), exc.status, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -417,15 +254,15 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             detail = (first.get("ctx") or {}).get("error", "")
-            return _error(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
+            return error_response(400, f"the request body is not valid JSON: {detail}".rstrip(": "), code="invalid_json")
         if tuple(first.get("loc", ())) == ("body",):
             if first.get("type") == "missing":
-                return _error(400, "the request body is empty: send a JSON object", code="empty_body")
-            return _error(400, "the request body must be a JSON object", code="invalid_json")
+                return error_response(400, "the request body is empty: send a JSON object", code="empty_body")
+            return error_response(400, "the request body must be a JSON object", code="invalid_json")
         extra = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors
                  if e.get("type") == "extra_forbidden"]
         if extra:
-            return _error(400, f"unsupported field{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}: "
+            return error_response(400, f"unsupported field{'s' if len(extra) > 1 else ''} {', '.join(map(repr, extra))}: "
                                "this server does not implement it (remove it from the request)",
                           extra[0], "unsupported_field")
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -434,7 +271,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         for e in errors[:4]:
             where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-        return _error(400, "invalid request: " + "; ".join(parts), loc[0] if loc else None, code)
+        return error_response(400, "invalid request: " + "; ".join(parts), loc[0] if loc else None, code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -445,12 +282,12 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
                 message += f"; allowed: {exc.headers['Allow']}"
         elif exc.status_code == 404:
             message = f"no such route: {request.method} {request.url.path}"
-        return _error(exc.status_code, message, headers=exc.headers)
+        return error_response(exc.status_code, message, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         err = internal_error(exc)
-        return _json(err.body(), err.status)
+        return json_response(err.body(), err.status)
 
     def _timeout(raw: Request) -> Optional[float]:
         value = raw.headers.get("x-request-timeout")
@@ -472,7 +309,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         if isinstance(result, tuple):  # (streams, SSE generator)
             streams, body = result
             return _SSEResponse(body, on_close=streams.close)
-        return _json(result)
+        return json_response(result)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
@@ -489,7 +326,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     @app.get("/v1/models")
     async def models():
         max_len = state.engine.max_model_len if state.serving is not None else None
-        return _json(ModelList(data=[ModelCard(id=n, root=state.model_path, max_model_len=max_len)
+        return json_response(ModelList(data=[ModelCard(id=n, root=state.model_path, max_model_len=max_len)
                                      for n in state.served_model_names]))
 
     @app.get("/health")
@@ -504,17 +341,17 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
 
     @app.get("/version")
     async def version():
-        return _json(VersionResponse(version=__version__))
+        return json_response(VersionResponse(version=__version__))
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         serving = state.require()
         tokens = await serving.tokenize(req)
-        return _json(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len))
+        return json_response(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        return _json(DetokenizeResponse(prompt=state.require().detokenize(req)))
+        return json_response(DetokenizeResponse(prompt=state.require().detokenize(req)))
 
     @app.get("/metrics")
     async def metrics():
@@ -564,7 +401,7 @@ def uvicorn_config(app, args: ServerArgs, **kw):
     return uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
         timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=5,
-        http=_h11_protocol(args.http_read_timeout), **kw,
+        http=h11_protocol(args.http_read_timeout), **kw,
     )
 
 
