@@ -36,6 +36,7 @@ CASES = {
 }
 
 
+STRESSED = [name for name in CASES if name != "deepseek_v3_plain"]  # its variants are covered by the identity run
 PREEMPT_LENGTHS = (40, 41, 42, 43)  # 3 blocks each; 9 blocks hold three, and growing past 48 preempts
 
 
@@ -65,14 +66,14 @@ def test_matches_hf(make_ckpt, name):
     assert got == reference(path)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", STRESSED)
 def test_block_size_one_chunked_prefill(make_ckpt, name):
     path = checkpoint(make_ckpt, name)
     got, _, _ = run(path, block_size=1, max_num_batched_tokens=16)
     assert got == reference(path)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", STRESSED)
 @pytest.mark.parametrize("caching", [True, False])
 def test_preemption(make_ckpt, name, caching):
     path = checkpoint(make_ckpt, name)
