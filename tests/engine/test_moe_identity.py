@@ -107,3 +107,16 @@ def test_mla_caches_one_small_vector_per_token(make_ckpt):
     assert spec.bytes_per_token == 3 * 40 * 4 and spec.bytes_per_token * 4 == mha  # 4x here
     # at DeepSeek-V3's own shape (128 heads, 192 + 128 dims, R 512 + 64) it is 71x
     assert 128 * (192 + 128) / (512 + 64) > 70
+
+
+@pytest.mark.parametrize("name", STRESSED)
+def test_prefix_cache_hits_give_the_same_tokens(make_ckpt, name):
+    """The same prompts again on one engine: their full blocks come from the prefix cache (for
+    MLA, cached latent rows) and the tokens still equal HF's."""
+    path = checkpoint(make_ckpt, name)
+    llm = LLM(model=path, dtype="float32", kv_cache_memory=8 << 20)
+    for _ in range(2):
+        outs = llm.generate(prompt_token_ids=random_prompts(LENGTHS), sampling_params=GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == reference(path)
+    stats = llm.get_stats()
+    assert stats.prefix_cache_hits >= 16 + 32 + 80  # the 17-, 40- and 90-token prompts' full blocks
