@@ -91,9 +91,20 @@ def start_server(engine: str, model: str, port: int, args, log) -> subprocess.Po
         env = dict(os.environ)
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-               "--dtype", args.dtype, "--disable-log-requests"]
+               "--dtype", args.dtype]
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="4", VLLM_CPU_OMP_THREADS_BIND="0-%d" % ((os.cpu_count() or 2) - 1))
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the server's process group (vLLM's engine core is a child), SIGKILL if it lingers."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def run_client(args, model: str, port: int, result_dir: str) -> dict:
@@ -140,11 +151,7 @@ def main() -> None:
                 print(log.read()[-3000:], file=sys.stderr)
                 raise
             finally:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                stop(proc)
         row = {"engine": engine, "ready_s": round(ready, 1), "load_avg_before": round(load_before, 2)}
         row.update({k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k) for k in METRICS})
         rows.append(row)
