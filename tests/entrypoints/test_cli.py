@@ -121,12 +121,14 @@ def test_sigterm_finishes_in_flight_and_exits_0(llama_ckpt):
 def test_sigterm_aborts_requests_past_the_shutdown_timeout(llama_ckpt):
     """Past --shutdown-timeout an open stream ends with an error event and [DONE] (not cut), a
     new request meanwhile gets 503 shutting_down, and no traceback is logged."""
-    proc, url = _serve(llama_ckpt, "--shutdown-timeout", "0.5")
+    # The stream must still be running when the drain ends, on a fast quiet machine too: 1000
+    # tokens cannot be generated within a 0.1 s drain (a 250-token stream once finished in 0.5 s).
+    proc, url = _serve(llama_ckpt, "--shutdown-timeout", "0.1", "--max-model-len", "1024")
     try:
         started, result = threading.Event(), {"lines": []}
 
         def stream():
-            body = {"prompt": "w1", "max_tokens": 250, "temperature": 0, "stream": True, "ignore_eos": True}
+            body = {"prompt": "w1", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
             try:
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
                     for line in r.iter_lines():
