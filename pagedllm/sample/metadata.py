@@ -34,8 +34,11 @@ class SamplingMetadata:
     presence: Optional[torch.Tensor]  # float [B]
     frequency: Optional[torch.Tensor]
     repetition: Optional[torch.Tensor]
-    output_counts: Optional[torch.Tensor]  # [B, V] counts of generated tokens
-    prompt_mask: Optional[torch.Tensor]  # [B, V] bool: token appears in the prompt
+    # every (row, token) a penalised row has seen (prompt or output; unique pairs) and the token's
+    # count among the row's outputs: sparse, so the cost follows the tokens seen, not the vocabulary
+    seen_rows: Optional[torch.Tensor]  # long [S]
+    seen_cols: Optional[torch.Tensor]  # long [S]
+    seen_output_counts: Optional[torch.Tensor]  # float [S]
     max_num_logprobs: Optional[int]  # None: no request wants logprobs
     top_k_max: Optional[int] = None  # max of top_k (host side): below the vocab size, no full sort
 
@@ -47,7 +50,7 @@ class SamplingRowState(Protocol):
     num_prompt_tokens: int
     sampling_params: SamplingParams
     generator: Optional[torch.Generator]  # the request's own stream when it is seeded
-    prompt_token_mask: Optional[torch.Tensor]  # [V] bool, cached here on first use (penalties)
+    prompt_unique_ids: Optional[torch.Tensor]  # the prompt's distinct token ids, cached here on first use (penalties)
 
     @property
     def num_output_tokens(self) -> int: ...
@@ -84,7 +87,7 @@ def build_sampling_metadata(
 
     bias_rows, bias_cols, bias_vals = _logit_bias(sps, vocab_size, tensor)
     ban_rows, ban_cols = _min_tokens_bans(states, vocab_size, tensor)
-    presence, frequency, repetition, output_counts, prompt_mask = _penalties(states, vocab_size, device, tensor)
+    presence, frequency, repetition, seen_rows, seen_cols, seen_counts = _penalties(states, vocab_size, device, tensor)
 
     ks = [sp.logprobs for sp in sps if sp.logprobs is not None]
     return SamplingMetadata(
@@ -103,8 +106,9 @@ def build_sampling_metadata(
         presence=presence,
         frequency=frequency,
         repetition=repetition,
-        output_counts=output_counts,
-        prompt_mask=prompt_mask,
+        seen_rows=seen_rows,
+        seen_cols=seen_cols,
+        seen_output_counts=seen_counts,
         max_num_logprobs=max(ks) if ks else None,
         top_k_max=top_k_max,
     )
@@ -141,26 +145,35 @@ def _min_tokens_bans(states, vocab_size, tensor):
 
 
 def _penalties(states, vocab_size, device, tensor):
-    """(presence, frequency, repetition, output_counts [B, V], prompt_mask [B, V]); Nones if unused."""
+    """(presence, frequency, repetition, seen_rows, seen_cols, seen_output_counts); Nones if unused.
+
+    Per penalised row: the distinct tokens of its prompt (cached on the state) and of its output
+    with their counts, merged into unique (row, token) pairs. The work is proportional to the
+    tokens the row holds, never to the vocabulary (a dense [B, V] rebuild each step cost a batch
+    of 32 x 32000 about as much as the forward pass of a small model)."""
     sps = [s.sampling_params for s in states]
     if not any(sp.uses_penalties for sp in sps):
-        return None, None, None, None, None
-    B = len(states)
-    output_counts = torch.zeros(B, vocab_size, dtype=torch.float32, device=device)
-    prompt_mask = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
+        return (None,) * 6
+    rows, cols, counts = [], [], []
     for i, s in enumerate(states):
         if not s.sampling_params.uses_penalties:
             continue
+        if s.prompt_unique_ids is None:
+            prompt = torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=device)
+            s.prompt_unique_ids = torch.unique(prompt[prompt < vocab_size])
+        ids = s.prompt_unique_ids
+        n = torch.zeros(len(ids), dtype=torch.float32, device=device)
         out = s.token_ids[s.num_prompt_tokens :]
         if out:
-            ids = torch.tensor(out, dtype=torch.long, device=device)
-            output_counts[i].index_add_(0, ids, torch.ones(len(out), device=device))
-        if s.prompt_token_mask is None:
-            s.prompt_token_mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            s.prompt_token_mask[torch.tensor(s.token_ids[: s.num_prompt_tokens], dtype=torch.long, device=device)] = True
-        prompt_mask[i] = s.prompt_token_mask
+            out_ids, out_n = torch.unique(torch.tensor(out, dtype=torch.long, device=device), return_counts=True)
+            ids, inverse = torch.unique(torch.cat([ids, out_ids]), return_inverse=True)
+            n = torch.zeros(len(ids), dtype=torch.float32, device=device).index_add_(
+                0, inverse, torch.cat([n, out_n.to(torch.float32)]))
+        rows.append(torch.full((len(ids),), i, dtype=torch.long, device=device))
+        cols.append(ids)
+        counts.append(n)
     presence = tensor([sp.presence_penalty for sp in sps], torch.float32) if any(sp.presence_penalty for sp in sps) else None
     frequency = tensor([sp.frequency_penalty for sp in sps], torch.float32) if any(sp.frequency_penalty for sp in sps) else None
     repetition = (tensor([sp.repetition_penalty for sp in sps], torch.float32)
                   if any(sp.repetition_penalty != 1.0 for sp in sps) else None)
-    return presence, frequency, repetition, output_counts, prompt_mask
+    return presence, frequency, repetition, torch.cat(rows), torch.cat(cols), torch.cat(counts)

@@ -81,15 +81,17 @@ class Sampler:
     def _apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.bias_rows is not None:
             logits.index_put_((md.bias_rows, md.bias_cols), md.bias_vals, accumulate=True)
-        if md.repetition is not None:
-            seen = md.prompt_mask | (md.output_counts > 0)
-            rep = md.repetition.unsqueeze(1)
-            penalized = torch.where(logits > 0, logits / rep, logits * rep)
-            logits = torch.where(seen, penalized, logits)
-        if md.frequency is not None:
-            logits = logits - md.frequency.unsqueeze(1) * md.output_counts
-        if md.presence is not None:
-            logits = logits - md.presence.unsqueeze(1) * (md.output_counts > 0).to(logits.dtype)
+        if md.seen_rows is not None:  # penalties, on the (row, token) pairs a row has seen only
+            rows, cols, counts = md.seen_rows, md.seen_cols, md.seen_output_counts
+            vals = logits[rows, cols]
+            if md.repetition is not None:  # HF/vLLM: divide positive logits, multiply negative ones
+                rep = md.repetition[rows]
+                vals = torch.where(vals > 0, vals / rep, vals * rep)
+            if md.frequency is not None:
+                vals = vals - md.frequency[rows] * counts
+            if md.presence is not None:
+                vals = vals - md.presence[rows] * (counts > 0).to(vals.dtype)
+            logits[rows, cols] = vals
         if md.ban_rows is not None:
             logits.index_put_((md.ban_rows, md.ban_cols), torch.tensor(float("-inf"), device=logits.device))
         return logits

@@ -23,7 +23,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: Optional[torch.Generator] = None
-    prompt_token_mask: Optional[torch.Tensor] = field(default=None, repr=False)
+    prompt_unique_ids: Optional[torch.Tensor] = field(default=None, repr=False)  # for penalties
 
     @property
     def num_tokens(self) -> int:

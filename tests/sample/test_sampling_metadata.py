@@ -17,7 +17,7 @@ class Row:  # the fields SamplingRowState names, nothing from worker/
     num_prompt_tokens: int
     sampling_params: SamplingParams
     generator: Optional[torch.Generator] = None
-    prompt_token_mask: Optional[torch.Tensor] = field(default=None, repr=False)
+    prompt_unique_ids: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def num_output_tokens(self) -> int:
@@ -32,7 +32,7 @@ def test_all_greedy_builds_no_tensor():
     md = build([Row([1, 2, 3], 3, SamplingParams(temperature=0)), Row([4, 5], 2, SamplingParams(temperature=0))])
     assert md.all_greedy and md.max_num_logprobs is None and md.generators == {}
     assert all(getattr(md, f) is None for f in ("greedy_rows", "temperature", "top_k", "top_p", "min_p", "bias_rows",
-                                                "ban_rows", "presence", "frequency", "repetition", "output_counts"))
+                                                "ban_rows", "presence", "frequency", "repetition", "seen_rows"))
 
 
 def test_mixed_rows_in_order():
@@ -56,12 +56,36 @@ def test_mixed_rows_in_order():
     assert md.max_num_logprobs == 4
 
 
-def test_penalties_count_outputs_and_cache_prompt_mask():
-    row = Row([3, 4, 5, 5, 7], 3, SamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2))
+def test_penalties_count_outputs_and_cache_prompt_tokens():
+    row = Row([3, 4, 5, 5, 7, 7], 3, SamplingParams(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2))
     plain = Row([1], 1, SamplingParams(temperature=1.0))
     md = build([row, plain])
-    assert md.output_counts[0, 5].item() == 1 and md.output_counts[0, 7].item() == 1
-    assert md.output_counts[1].sum().item() == 0
-    assert md.prompt_mask[0].nonzero().flatten().tolist() == [3, 4, 5]
+    seen = {(r, c): n for r, c, n in zip(md.seen_rows.tolist(), md.seen_cols.tolist(), md.seen_output_counts.tolist())}
+    # row 0 saw 3, 4, 5 in its prompt and 5, 7, 7 in its output; the plain row has no entries
+    assert seen == {(0, 3): 0.0, (0, 4): 0.0, (0, 5): 1.0, (0, 7): 2.0}
     assert md.presence is None and md.frequency.tolist() == [0.5, 0.0]
-    assert row.prompt_token_mask is not None and plain.prompt_token_mask is None
+    assert row.prompt_unique_ids.tolist() == [3, 4, 5] and plain.prompt_unique_ids is None
+
+
+def test_sparse_penalties_equal_the_dense_definition():
+    """The sampler's penalties on the seen pairs only equal the dense definition over [B, V]."""
+    from pagedllm.sample.sampler import Sampler
+
+    g = torch.Generator().manual_seed(0)
+    rows = [Row([5, 9, 9, 2, 5, 5, 11], 4, SamplingParams(temperature=1.0, repetition_penalty=1.3,
+                                                          frequency_penalty=0.4, presence_penalty=0.7)),
+            Row([1, 2], 2, SamplingParams(temperature=1.0)),
+            Row([7, 8, 8], 1, SamplingParams(temperature=1.0, repetition_penalty=0.8))]
+    md = build(rows)
+    logits = torch.randn(3, V, generator=g)
+    got = Sampler._apply_constraints(logits.clone(), md)
+    want = logits.clone()
+    for i, r in enumerate(rows):
+        sp, prompt, out = r.sampling_params, r.token_ids[: r.num_prompt_tokens], r.token_ids[r.num_prompt_tokens:]
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=V).float() if out else torch.zeros(V)
+        seen = counts > 0
+        seen[torch.tensor(prompt)] = True
+        rep = sp.repetition_penalty
+        want[i] = torch.where(seen, torch.where(want[i] > 0, want[i] / rep, want[i] * rep), want[i])
+        want[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
+    torch.testing.assert_close(got, want)
