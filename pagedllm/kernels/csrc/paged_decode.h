@@ -123,6 +123,63 @@ inline void value_tile(const float* w, int64_t ls, const T* const* vrow, int64_t
   }
 }
 
+#ifdef PAGEDLLM_AVX512
+// AVX-512 forms of score_tile / value_tile for head dims that are a multiple of 16: half the
+// instructions per K/V row of the AVX2 tiles, and the 32 zmm registers hold three query heads'
+// accumulators (a kv head's whole group for 3:1 GQA) where AVX2 has room for two.
+template <int NG, int NP, typename T>
+inline void score_tile16(const float* q /*[NG, D]*/, const T* const* krow, int64_t hoff, int64_t D, __m256 lane_ok,
+                         float* s, int64_t ls) {
+  __m256 dots[NG][8];
+  for (int p0 = 0; p0 < 8; p0 += NP) {
+    __m512 part[NG][NP];
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < NP; ++i) part[g][i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 qv[NG];
+      for (int g = 0; g < NG; ++g) qv[g] = _mm512_loadu_ps(q + g * D + d);
+      for (int i = 0; i < NP; ++i) {
+        const __m512 kv = load16(krow[p0 + i] + hoff + d);
+        for (int g = 0; g < NG; ++g) part[g][i] = _mm512_fmadd_ps(qv[g], kv, part[g][i]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < NP; ++i)
+        dots[g][p0 + i] = _mm256_add_ps(_mm512_castps512_ps256(part[g][i]), _mm512_extractf32x8_ps(part[g][i], 1));
+  }
+  for (int g = 0; g < NG; ++g)
+    _mm256_storeu_ps(s + g * ls, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(dots[g]), lane_ok));
+}
+
+template <int NG, typename T>
+inline void value_tile16(const float* w, int64_t ls, const T* const* vrow, int64_t cnt, int64_t hoff, int64_t D,
+                         float* acc /*[NG, D]*/) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m512 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
+    for (int64_t i = 0; i < cnt; ++i) {
+      __m512 pb[NG];
+      for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(w[g * ls + i]);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 vv = load16(vrow[i] + hoff + d0 + 16 * j);
+        for (int g = 0; g < NG; ++g) a[g][j] = _mm512_fmadd_ps(pb[g], vv, a[g][j]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
+  }
+  for (; d0 < D; d0 += 16) {  // head dims that are not a multiple of 64
+    for (int g = 0; g < NG; ++g) {
+      __m512 a = _mm512_loadu_ps(acc + g * D + d0);
+      for (int64_t i = 0; i < cnt; ++i) a = _mm512_fmadd_ps(_mm512_set1_ps(w[g * ls + i]), load16(vrow[i] + hoff + d0), a);
+      _mm512_storeu_ps(acc + g * D + d0, a);
+    }
+  }
+}
+#endif
+
 // Prefetch this task's rows of the cache block holding position pos (rows from pos to the block's
 // end, at most up to n): issued one block ahead, the next block's lines are in flight while the
 // current one is computed on. The hardware prefetchers stop at the jump between two (randomly
@@ -169,6 +226,19 @@ void score_pass(const Task& t, const T* kc, int64_t R, int64_t rows_per_head, fl
     const __m256 lane_ok = _mm256_castsi256_ps(
         _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
     for (int64_t r0 = 0, hoff = 0; r0 < R; r0 += rows_per_head, hoff += t.D) {
+#ifdef PAGEDLLM_AVX512
+      if (t.D % 16 == 0) {  // rows in threes, then a pair or one
+        for (int64_t r = r0, left = rows_per_head; left > 0;) {
+          const int64_t take = left >= 3 ? 3 : left;
+          float* sr = s + r * ls + base;
+          if (take == 3) score_tile16<3, 8>(t.q + r * t.D, rows, hoff, t.D, lane_ok, sr, ls);
+          else if (take == 2) score_tile16<2, 8>(t.q + r * t.D, rows, hoff, t.D, lane_ok, sr, ls);
+          else score_tile16<1, 8>(t.q + r * t.D, rows, hoff, t.D, lane_ok, sr, ls);
+          r += take, left -= take;
+        }
+        continue;
+      }
+#endif
       for (int64_t r = r0; r < r0 + rows_per_head;) {
         if (r + 2 <= r0 + rows_per_head) {
           score_tile<2, 4>(t.q + r * t.D, rows, hoff, t.D, lane_ok, s + r * ls + base, ls);
@@ -193,6 +263,19 @@ void value_pass(const Task& t, const T* vc, const float* s, int64_t ls, int64_t 
     const int64_t cnt = std::min<int64_t>(16, t.n - base);
     fill_rows(vc, t, t.start + base, cnt, cnt, rows);
     for (int64_t r0 = 0, hoff = 0; r0 < R; r0 += rows_per_head, hoff += t.D) {
+#ifdef PAGEDLLM_AVX512
+      if (t.D % 16 == 0) {
+        for (int64_t r = r0, left = rows_per_head; left > 0;) {
+          const int64_t take = left >= 3 ? 3 : left;
+          const float* wr = s + r * ls + base;
+          if (take == 3) value_tile16<3>(wr, ls, rows, cnt, hoff, t.D, acc + r * t.D);
+          else if (take == 2) value_tile16<2>(wr, ls, rows, cnt, hoff, t.D, acc + r * t.D);
+          else value_tile16<1>(wr, ls, rows, cnt, hoff, t.D, acc + r * t.D);
+          r += take, left -= take;
+        }
+        continue;
+      }
+#endif
       for (int64_t r = r0; r < r0 + rows_per_head;) {
         if (r + 2 <= r0 + rows_per_head) {
           value_tile<2>(s + r * ls + base, ls, rows, cnt, hoff, t.D, acc + r * t.D);
