@@ -6,7 +6,9 @@
 // shares it, GQA, and from L1 once per register-blocked pair of those heads),
 // then an exact softmax per head vectorised over positions, then the weighted sum of V rows
 // (each loaded once). The next cache block is prefetched while the current one is computed on.
-// Without AVX2 an online-softmax loop runs on scalars.
+// AVX-512 builds run the score and value passes with 16-lane tiles where the head dim is a
+// multiple of 16 (three query heads of a kv head register-blocked together); the prefill kernel
+// shares these passes. Without AVX2 an online-softmax loop runs on scalars.
 #pragma once
 
 #include <omp.h>
