@@ -50,12 +50,16 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (first maximum, NaN counts as maximal); the CPU kernel is ~8x faster
     than torch's argmax on [64, 32000] rows here (1.5 ms), which a small model notices per step."""
-    kernels = cpu_kernels.for_tensor(logits)
-    if kernels is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1 or not logits.shape[1]:
+    kernels = cpu_kernels.for_tensor(logits)  # float32 or bfloat16
+    if kernels is None or logits.dim() != 2 or logits.stride(-1) != 1 or not logits.shape[1]:
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.long)
     kernels.argmax_rows(out, logits)
     return out
+
+
+def _has_constraints(md: SamplingMetadata) -> bool:
+    return md.bias_rows is not None or md.ban_rows is not None or md.seen_rows is not None
 
 
 class Sampler:
@@ -64,6 +68,9 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        if md.all_greedy and md.max_num_logprobs is None and not _has_constraints(md):
+            # The argmax of bf16 logits is the argmax of their exact float32 widening: no copy.
+            return SamplerOutput(greedy(logits), None, None, None)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if md.max_num_logprobs is not None else None
         logits = self._apply_constraints(logits, md)

@@ -188,24 +188,19 @@ inline void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 
 // out[r] = index of the first maximum of logits[r] (a NaN counts as the maximum, as in
 // torch.argmax): one vectorised max pass and one compare pass that stops at the first hit.
-inline void argmax_rows(torch::Tensor out, torch::Tensor logits) {
-  fused::check_rows(logits, "argmax_rows");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.size(1) > 0, "argmax_rows: non-empty float32 rows expected");
-  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == logits.size(0),
-              "argmax_rows: int64 out [rows] expected");
-  const int64_t N = logits.size(0), V = logits.size(1), xs = logits.stride(0);
-  const float* xp = logits.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
+// float32 or bfloat16 rows (bf16 widens exactly, so a bf16 model's logits need no float copy).
+template <typename T>
+inline void argmax_rows_impl(const T* xp, int64_t N, int64_t V, int64_t xs, int64_t* op) {
 #pragma omp parallel for if (N * V >= fused::kParallelElems)
   for (int64_t r = 0; r < N; ++r) {
-    const float* x = xp + r * xs;
+    const T* x = xp + r * xs;
     float m = -INFINITY;
     bool has_nan = false;
     int64_t i = 0;
 #ifdef PAGEDLLM_AVX2
     __m256 mv = _mm256_set1_ps(-INFINITY), nan_v = _mm256_setzero_ps();
     for (; i + 8 <= V; i += 8) {
-      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 v = load8(x + i);
       mv = _mm256_max_ps(mv, v);
       nan_v = _mm256_or_ps(nan_v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
@@ -213,25 +208,41 @@ inline void argmax_rows(torch::Tensor out, torch::Tensor logits) {
     has_nan = _mm256_movemask_ps(nan_v) != 0;
 #endif
     for (; i < V; ++i) {
-      if (std::isnan(x[i])) has_nan = true;
-      else if (x[i] > m) m = x[i];
+      const float xi = to_float(x[i]);
+      if (std::isnan(xi)) has_nan = true;
+      else if (xi > m) m = xi;
     }
     int64_t best = 0;
     if (has_nan) {
-      while (!std::isnan(x[best])) ++best;
+      while (!std::isnan(to_float(x[best]))) ++best;
     } else {
       i = 0;
 #ifdef PAGEDLLM_AVX2
       const __m256 target = _mm256_set1_ps(m);
       for (; i + 8 <= V; i += 8) {
-        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+        const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + i), target, _CMP_EQ_OQ));
         if (hits) break;
       }
 #endif
-      while (i < V && x[i] != m) ++i;
+      while (i < V && to_float(x[i]) != m) ++i;
       best = i;
     }
     op[r] = best;
+  }
+}
+
+inline void argmax_rows(torch::Tensor out, torch::Tensor logits) {
+  fused::check_rows(logits, "argmax_rows");
+  TORCH_CHECK((logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) && logits.size(1) > 0,
+              "argmax_rows: non-empty float32 or bfloat16 rows expected");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.is_contiguous() && out.numel() == logits.size(0),
+              "argmax_rows: int64 out [rows] expected");
+  const int64_t N = logits.size(0), V = logits.size(1), xs = logits.stride(0);
+  int64_t* op = out.data_ptr<int64_t>();
+  if (logits.scalar_type() == at::kFloat) {
+    argmax_rows_impl(logits.data_ptr<float>(), N, V, xs, op);
+  } else {
+    argmax_rows_impl(logits.data_ptr<c10::BFloat16>(), N, V, xs, op);
   }
 }
 
