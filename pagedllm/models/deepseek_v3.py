@@ -27,7 +27,7 @@ from pagedllm.layers.mla import MLAAttention
 from pagedllm.layers.moe import RouterConfig, SparseMoE, expert_weight_target
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.llama import LlamaMLP, rope_settings
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaMLP, rope_settings
 from pagedllm.models.mixtral import check_silu, moe_num_experts
 from pagedllm.distributed.parallel_state import get_tp_group
 
@@ -104,29 +104,14 @@ def deepseek_mlp(config, layer: int) -> nn.Module:
                      correction_bias=True)
 
 
-class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, config, layer: int) -> None:
-        super().__init__()
-        self.self_attn = DeepseekV3Attention(config)
-        self.mlp = deepseek_mlp(config, layer)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, rope, h: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(rope, h)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
-
-
 class DeepseekV3Model(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        # Llama's pre-norm layer around MLA and, after the first dense layers, the MoE MLP
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(config, False, False, None, mlp=deepseek_mlp(config, i), attn=DeepseekV3Attention(config))
+            for i in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, theta, scaling)

@@ -21,7 +21,7 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.llama import rope_settings
+from pagedllm.models.llama import FUSED_QKV_GATE_UP, rope_settings
 
 
 def layer_types(config, default_pattern: int) -> list[str]:
@@ -131,13 +131,7 @@ class GemmaCausalLM(nn.Module):
     """The LM head (tied to the embeddings unless the checkpoint has its own) with the final
     logit soft-cap; shared by Gemma 2 and Gemma 3."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = FUSED_QKV_GATE_UP
 
     def __init__(self, config, model: GemmaModel) -> None:
         super().__init__()

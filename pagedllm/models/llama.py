@@ -27,6 +27,17 @@ def rope_settings(config) -> tuple[float, Optional[dict]]:
     return float(theta), scaling
 
 
+# checkpoint name fragment -> (our fused module fragment, shard id): q/k/v into qkv_proj, gate/up
+# into gate_up_proj (the layout of every family built on these layers)
+FUSED_QKV_GATE_UP = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: Optional[int]) -> None:
         super().__init__()
@@ -75,10 +86,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, qk_norm: bool, sliding_window: Optional[int],
-                 mlp: Optional[nn.Module] = None) -> None:
+                 mlp: Optional[nn.Module] = None, attn: Optional[nn.Module] = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, qkv_bias, qk_norm, sliding_window)
-        self.mlp = mlp if mlp is not None else LlamaMLP(config)  # a family's own MLP (e.g. MoE)
+        # a family's own attention (e.g. DeepSeek's MLA) or MLP (e.g. MoE) in the same pre-norm layer
+        self.self_attn = attn if attn is not None else LlamaAttention(config, qkv_bias, qk_norm, sliding_window)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,14 +140,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qkv_bias = False
     qk_norm = False
-    # checkpoint name fragment -> (our fused module fragment, shard id)
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = FUSED_QKV_GATE_UP
     make_mlp = None  # MoE families: (config, layer index) -> that layer's MLP module
 
     def __init__(self, config) -> None:

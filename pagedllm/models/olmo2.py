@@ -14,7 +14,7 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.models.llama import LlamaMLP, rope_settings
+from pagedllm.models.llama import FUSED_QKV_GATE_UP, LlamaMLP, rope_settings
 
 
 class ProjectionNorm(nn.Module):
@@ -100,13 +100,7 @@ class Olmo2Model(nn.Module):
 
 
 class Olmo2ForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = FUSED_QKV_GATE_UP
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -108,6 +108,24 @@ inline void upto(int64_t r, const F& f) {
 }
 
 #ifdef PAGEDLLM_AVX512
+// c[i, 0:cols] (+)= the R x NP tile of 16-column accumulators s (masked past cols): the epilogue
+// shared by the float32 and bf16-pair microkernels.
+template <int R, int NP>
+inline void store_tile(const __m512 (&s)[R][NP], float* c, int64_t ldc, bool accumulate, int64_t cols) {
+#pragma GCC unroll 16
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      const __mmask16 m = lanes16(cols - j * kPanel);
+      float* cij = c + i * ldc + j * kPanel;
+      __m512 v = s[i][j];
+      if (accumulate) v = _mm512_add_ps(v, load16(cij, m));
+      store16(cij, v, m);
+    }
+}
+#endif
+
+#ifdef PAGEDLLM_AVX512
 // c[i, 0:cols] (+)= sum over k < kc of a[i, k] * B[k, 0:cols], i < R, where B is NP panel slices
 // b, b + bs, ... (kc x 16 each) side by side and cols <= 16 NP.
 template <int R, int NP, bool PF, typename W>
@@ -132,16 +150,7 @@ inline void micro512(const float* a, int64_t lda, const W* b, int64_t bs, int64_
       for (int j = 0; j < NP; ++j) s[i][j] = _mm512_fmadd_ps(av, bv[j], s[i][j]);
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const __mmask16 m = lanes16(cols - j * kPanel);
-      float* cij = c + i * ldc + j * kPanel;
-      __m512 v = s[i][j];
-      if (accumulate) v = _mm512_add_ps(v, load16(cij, m));
-      store16(cij, v, m);
-    }
+  store_tile<R, NP>(s, c, ldc, accumulate, cols);
 }
 #endif
 
@@ -172,16 +181,7 @@ inline void micro_dp(const int32_t* a, int64_t lda, const c10::BFloat16* b, int6
       for (int j = 0; j < NP; ++j) s[i][j] = _mm512_dpbf16_ps(s[i][j], av, bv[j]);
     }
   }
-#pragma GCC unroll 16
-  for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      const __mmask16 m = lanes16(cols - j * kPanel);
-      float* cij = c + i * ldc + j * kPanel;
-      __m512 v = s[i][j];
-      if (accumulate) v = _mm512_add_ps(v, load16(cij, m));
-      store16(cij, v, m);
-    }
+  store_tile<R, NP>(s, c, ldc, accumulate, cols);
 }
 #endif
 
