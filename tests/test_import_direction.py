@@ -21,8 +21,11 @@ RANKS = [
     ["engine"],
     ["executor"],
     ["worker"],
+    ["spec_decode"],  # proposers may run a draft model
     ["models"],
-    ["layers", "spec_decode", "structured_output", "lora", "quantization"],
+    ["lora"],  # wraps the layers' linear modules with batched adapter deltas
+    ["layers", "structured_output"],
+    ["quantization"],  # linear layers ask their quantization method for weights and matmul
     ["attention", "sample"],
     ["kernels", "distributed", "tokenizer", "metrics"],
     ["core"],
