@@ -1,0 +1,119 @@
+"""``y = x W^T (+ bias)`` for a :class:`QuantizedWeight`, without ever holding the model dense.
+
+``quantized_linear`` picks, per call, the fastest path the tensors allow:
+
+- CPU tensors with the C++ kernels loaded (``kernels/cpu.py``): the fused kernels of
+  ``kernels/csrc/quant_gemm.h`` -- a weight tile is dequantized in registers and multiplied
+  (W8A16 / W4A16 / FP8 weights with bf16 or float32 activations), or for ``int8_per_token``
+  activations, int8 x int8 dot products (VNNI where the CPU has it). They read the weight in the
+  layout :func:`prepare` made once at load.
+- CUDA tensors with Triton: ``triton_qgemm.py`` (weight-only int8 / int4).
+- Anything else: :func:`torch_quantized_linear`, which dequantizes this one layer's weight in
+  float32 and multiplies (the reference the kernels are tested against).
+
+Activation quantization (``act_quant``), the same on every path:
+
+- ``int8_per_token``: per row ``s_x = absmax(x_row) / 127`` (float32; rows of zeros get 1),
+  ``q_x = clamp(round_half_even(x / s_x), -127, 127)``; the integer products
+  ``sum_k q_x[k] (q_w[n, k] - z[n, g(k)])`` are exact (int32 in the kernels, float64 here) per
+  weight group, then scaled by ``s_x * s_w[n, g]``.
+- ``fp8_per_token`` / ``fp8_per_tensor``: ``s_x = absmax / 448`` per row / over the whole
+  ``[M, K]`` input, ``q_x = float8_e4m3fn(clamp(x / s_x, -448, 448))``; the products of the fp8
+  values are summed in float32 and scaled like int8's.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.quantization.quantized_weight import QuantizedWeight
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantize_act_int8(x: torch.Tensor):
+    """Per-row symmetric int8 codes of ``x`` [M, K] (as float32 values) and their float32 scales [M, 1]."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True) / INT8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x / scale).clamp_(-INT8_MAX, INT8_MAX)
+    return q, scale
+
+
+def quantize_act_fp8(x: torch.Tensor, per_token: bool):
+    """fp8 e4m3 values of ``x`` [M, K] (widened back to float32) and their float32 scales ([M, 1] or [1, 1])."""
+    x = x.float()
+    amax = x.abs().amax(dim=1, keepdim=True) if per_token else x.abs().amax().reshape(1, 1)
+    scale = amax / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return q, scale
+
+
+def _zero_codes(qw: QuantizedWeight) -> Optional[torch.Tensor]:
+    """Zero points [N, groups] (None when they are all 0)."""
+    if qw.zeros is not None:
+        return qw.zeros
+    if qw.kind == "int4":
+        return torch.full_like(qw.scales, 8.0)
+    return None
+
+
+def _permuted_input(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    return x2 if qw.input_perm is None else x2.index_select(1, qw.input_perm.to(x2.device))
+
+
+def torch_quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The pure-torch path: one layer's weight dequantized (float32) and multiplied; ``x.dtype`` out."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != qw.in_features:
+        raise ValueError(f"quantized_linear: x has {k} features, the weight expects {qw.in_features}")
+    x2 = _permuted_input(x.reshape(-1, k), qw)
+    n, g = qw.out_features, qw.group_size
+    if qw.act_quant is None:
+        codes = qw.codes()
+        zeros = _zero_codes(qw)
+        if zeros is not None:
+            codes = codes - zeros.repeat_interleave(g, dim=1)
+        w = codes * qw.scales.repeat_interleave(g, dim=1)  # permuted column order, like x2
+        y = x2.float() @ w.t()
+    elif qw.act_quant == "int8_per_token":
+        y = _int8_product(x2, qw)
+    else:
+        xq, sx = quantize_act_fp8(x2, per_token=qw.act_quant == "fp8_per_token")
+        groups = k // g
+        codes = qw.codes()
+        zeros = _zero_codes(qw)
+        if zeros is not None:
+            codes = codes - zeros.repeat_interleave(g, dim=1)
+        if groups == 1:
+            y = (xq @ codes.t()) * qw.scales.t()
+        else:
+            part = torch.einsum("mgk,ngk->mng", xq.reshape(-1, groups, g), codes.reshape(n, groups, g))
+            y = (part * qw.scales.unsqueeze(0)).sum(-1)
+        y = y * sx
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*lead, n)
+
+
+def _int8_product(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """W8A8: per-token int8 activations times the weight codes, exact integer sums per group."""
+    xq, sx = quantize_act_int8(x2)
+    n, k, g = qw.out_features, qw.in_features, qw.group_size
+    groups = k // g
+    xg = xq.double().reshape(-1, groups, g)
+    codes = qw.codes().double().reshape(n, groups, g)
+    dots = torch.einsum("mgk,ngk->mng", xg, codes)  # exact: integers far below 2**53
+    zeros = _zero_codes(qw)
+    if zeros is not None:
+        dots = dots - xg.sum(-1).unsqueeze(1) * zeros.double().unsqueeze(0)
+    y = (dots * qw.scales.double().unsqueeze(0)).sum(-1)
+    return (y * sx.double()).float()
+
+
+def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x W^T (+ bias)`` with ``W = qw.dequantize()``; x [..., K] float32/bf16/fp16, ``x.dtype`` out."""
+    return torch_quantized_linear(x, qw, bias)
