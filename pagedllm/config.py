@@ -103,13 +103,22 @@ def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:
     return requested
 
 
-def fit_max_model_len(num_blocks: int, block_size: int, max_model_len: int, user_set: bool) -> int:
+def fit_max_model_len(num_blocks: int, block_size: int, max_model_len: int, user_set: bool,
+                      sliding_window: Optional[int] = None, max_chunk_tokens: Optional[int] = None) -> int:
     """The context length the KV cache can serve: ``max_model_len`` if one sequence of that many
     tokens fits in ``num_blocks`` blocks; else, when the user did not set it, what fits (the
-    caller logs it); when they did, a ValueError naming the largest value that fits."""
+    caller logs it); when they did, a ValueError naming the largest value that fits.
+
+    With a ``sliding_window`` every layer shares, blocks behind the window are freed, so a sequence
+    of any length holds at most the window plus one step's chunk (``max_chunk_tokens``): a chunk
+    [P, P+n) needs blocks from the one holding P-W+1 to the one holding P+n-1."""
     fits = num_blocks * block_size
     if fits >= max_model_len:
         return max_model_len
+    if sliding_window is not None and max_chunk_tokens is not None:
+        chunk = min(max_chunk_tokens, max_model_len)
+        if num_blocks >= -(-(chunk + sliding_window - 1) // block_size) + 1:
+            return max_model_len
     more = "give the KV cache more memory (kv_cache_memory, cpu_memory_utilization or gpu_memory_utilization)"
     if fits < 2:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_size} tokens: not even one sequence "

@@ -7,6 +7,16 @@
 
 Blocks for the "new" region are taken from the pool only if ALL of them (and the hit blocks that
 sit in the free queue) fit; otherwise nothing changes and None is returned ("no room": preempt).
+
+Sliding window (``sliding_window``: every layer of the model attends only to the last W keys):
+a query at position p sees key j iff p - j < W, so once a request's next token to compute is at
+position P, every key j <= P - W is dead for good and the leading blocks holding only such keys go
+back to the pool (keeping their prefix-cache hashes, like any freed block). The request's block
+list keeps its positions: a freed entry becomes ``OUT_OF_WINDOW`` (block id 0). The workers' block
+tables may still name a freed block (or block 0) there; no attention path reads it: the C++ and
+Triton kernels start at the window and the torch path masks keys before it, and the cache only
+ever holds finite values (zero-initialised, then K/V), so a masked stale entry weighs exactly 0.
+Models whose layers mix windowed and full attention (Gemma 2/3) keep every block (``None``).
 """
 from __future__ import annotations
 
@@ -21,11 +31,20 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Stands in a request's block list for a block freed because it fell out of the sliding window.
+OUT_OF_WINDOW = KVCacheBlock(0)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: Optional[int] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_window_freed: dict[str, int] = {}  # leading blocks of a request freed out of the window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -87,12 +106,18 @@ class KVCacheManager:
             raise ValueError("num_new_tokens must be > 0")
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.get(request.request_id, [])
-        num_tokens_after = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        first_new_pos = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_after = first_new_pos + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens_after) - len(held) - len(new_computed_blocks)
         # Hit blocks sitting in the free queue stop being free once touched.
         num_hits_in_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_new_blocks, 0) + num_hits_in_queue > self.pool.num_free_blocks:
+        # Held blocks the window leaves behind are freed below; they count as room already.
+        num_dying = max(0, min(self._num_dead_blocks(first_new_pos), len(held))
+                        - self.num_window_freed.get(request.request_id, 0))
+        if max(num_new_blocks, 0) + num_hits_in_queue > self.pool.num_free_blocks + num_dying:
             return None
+        if request.request_id in self.req_blocks:
+            self._free_out_of_window(request.request_id, held, first_new_pos)  # room before taking more
         self.pool.touch(new_computed_blocks)
         fresh = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         blocks = self.req_blocks.setdefault(request.request_id, [])
@@ -107,15 +132,34 @@ class KVCacheManager:
             for i in range(start, num_full):
                 self.pool.cache_block(blocks[i], request.block_hashes[i])
             self.num_cached_blocks[request.request_id] = max(start, num_full)
+        self._free_out_of_window(request.request_id, blocks, first_new_pos)  # hits already out of the window
         return [b.block_id for b in new_computed_blocks] + [b.block_id for b in fresh]
+
+    # ---- sliding window ---------------------------------------------------------------------
+    def _num_dead_blocks(self, first_new_pos: int) -> int:
+        """Leading blocks whose keys no query at or after ``first_new_pos`` can see."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (first_new_pos - self.sliding_window + 1) // self.block_size)
+
+    def _free_out_of_window(self, request_id: str, blocks: list[KVCacheBlock], first_new_pos: int) -> None:
+        done = self.num_window_freed.get(request_id, 0)
+        dead = min(self._num_dead_blocks(first_new_pos), len(blocks))
+        if dead <= done:
+            return
+        # Oldest first into the free queue's tail: the far past is evicted before the recent past.
+        self.pool.free_blocks(blocks[done:dead])
+        blocks[done:dead] = [OUT_OF_WINDOW] * (dead - done)
+        self.num_window_freed[request_id] = dead
 
     def free(self, request: Request, uncache: bool = False) -> None:
         """``uncache``: forget the prefix-cache hashes of blocks no one else holds (a failed
         step may have registered blocks whose K/V were never written)."""
         blocks = self.req_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        freed = self.num_window_freed.pop(request.request_id, 0)
         if blocks:
-            self.pool.free_blocks(reversed(blocks), uncache)
+            self.pool.free_blocks(reversed(blocks[freed:]), uncache)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]

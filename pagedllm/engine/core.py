@@ -25,7 +25,8 @@ class EngineCore:
             self.max_model_len = self.executor.max_model_len
             self.max_num_batched_tokens = min(self.max_num_batched_tokens,
                                               resolve_max_num_batched_tokens(config, self.max_model_len))
-        self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
+                                               sliding_window=self.executor.sliding_window)
         limits = SchedulerLimits(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,

@@ -7,7 +7,7 @@ structurally; a test checks their names and signatures against it.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 
@@ -16,6 +16,7 @@ from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 class Executor(Protocol):
     num_blocks: int  # KV cache blocks per rank (the same on every rank)
     max_model_len: int  # the context length served: lowered to what the KV cache holds unless the user set it
+    sliding_window: Optional[int]  # the window every attention layer shares (blocks behind it are freed), else None
 
     @property
     def num_forward_tokens(self) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from typing import Optional
 
 import torch
 
@@ -86,6 +87,7 @@ def _spawned_main(rank, world_size, port, args) -> None:
 class MultiprocExecutor:
     num_blocks: int
     max_model_len: int
+    sliding_window: Optional[int]
     weight_bytes_per_rank: list[int]
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -126,6 +128,7 @@ class MultiprocExecutor:
             self.num_blocks = _agree_num_blocks(self.worker, self.group)
             self.worker.initialize_cache(self.num_blocks)
             self.max_model_len = self.worker.max_model_len  # every rank fitted the same value
+            self.sliding_window = self.worker.kv_sliding_window
             import torch.distributed as dist
 
             sizes = [None] * world

@@ -1,12 +1,15 @@
 """UniprocExecutor: the single worker lives in the engine's own process (an executor.base.Executor)."""
 from __future__ import annotations
 
+from typing import Optional
+
 from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
 
 
 class UniprocExecutor:
     num_blocks: int
     max_model_len: int
+    sliding_window: Optional[int]
     is_dead = False  # an exception in the in-process worker leaves it usable for other requests
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -19,6 +22,7 @@ class UniprocExecutor:
         self.worker.initialize_cache(num_blocks)
         self.num_blocks = num_blocks
         self.max_model_len = self.worker.max_model_len  # lowered to what the cache holds if not set
+        self.sliding_window = self.worker.kv_sliding_window
 
     @property
     def num_forward_tokens(self) -> int:

@@ -124,6 +124,9 @@ class Worker:
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype,
                                    getattr(a0, "kv_planes", 2))
+        windows = {getattr(layer, "sliding_window", None) for layer in layers}
+        # Every layer windowed alike: the scheduler frees blocks that fall out of the window.
+        self.kv_sliding_window = windows.pop() if len(windows) == 1 else None
         self.backend = get_attention_backend(self.device)
         self.num_blocks = 0
         self.activation_bytes = 0  # measured (CUDA) or estimated (CPU) peak of one step
@@ -188,7 +191,9 @@ class Worker:
         leader = get_tp_group().rank == 0
         try:
             fitted = fit_max_model_len(num_blocks, spec.block_size, self.max_model_len,
-                                       user_set=self.config.max_model_len is not None)
+                                       user_set=self.config.max_model_len is not None,
+                                       sliding_window=self.kv_sliding_window,
+                                       max_chunk_tokens=self.max_num_batched_tokens)
         except ValueError as e:
             raise ValueError(f"{e} (KV cache budget: {self.budget_note or '?'})") from None
         if fitted != self.max_model_len and leader:

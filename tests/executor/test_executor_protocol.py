@@ -10,7 +10,7 @@ from pagedllm.executor.base import Executor
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 
-MEMBERS = {"num_blocks", "max_model_len", "num_forward_tokens", "weight_bytes_per_rank", "is_dead", "execute", "shutdown"}
+MEMBERS = {"num_blocks", "max_model_len", "sliding_window", "num_forward_tokens", "weight_bytes_per_rank", "is_dead", "execute", "shutdown"}
 
 
 def protocol_members():
