@@ -45,6 +45,12 @@ class EngineConfig:
     cpu_keep_freed_memory: bool = field(default_factory=envs.cpu_keep_freed_memory)
     cpu_threads: Optional[int] = field(default_factory=envs.cpu_threads)
     cpu_threads_bind: Optional[str] = field(default_factory=envs.cpu_threads_bind)
+    # LoRA adapters (PEFT format) served beside the base weights, mixed in one batch
+    enable_lora: bool = False
+    max_loras: int = 1  # adapter slots: distinct adapters that can run at once
+    max_lora_rank: int = 16  # the largest adapter rank accepted (slots are sized for it)
+    max_cpu_loras: Optional[int] = None  # adapters kept read in host memory per worker (default max_loras)
+    max_loras_per_step: Optional[int] = None  # most distinct adapters in one step (default max_loras)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -73,6 +79,15 @@ class EngineConfig:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in 1..512, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.max_loras_per_step is not None and not 1 <= self.max_loras_per_step <= self.max_loras:
+            raise ValueError(f"max_loras_per_step must be in 1..max_loras ({self.max_loras}), got "
+                             f"{self.max_loras_per_step}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_threads_bind is not None:

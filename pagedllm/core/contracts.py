@@ -12,6 +12,16 @@ from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
+class LoRAHandle:
+    """A LoRA adapter as the core and the workers know it: ``key`` is its identity (its name and a
+    hash of its files; keys the prefix cache and the adapter slots), ``path`` where workers read it."""
+
+    name: str
+    key: str
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
 class NewRequestData:
     """A request the workers have not seen (or a preempted one being resumed: sent again in full)."""
 
@@ -22,6 +32,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     num_output_tokens: int
+    lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +52,7 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]  # workers drop their state for these
     preempted_req_ids: frozenset[str]
+    lora_loads: tuple[tuple[int, LoRAHandle], ...] = ()  # (slot, adapter): workers load these before the step
 
     @property
     def is_empty(self) -> bool:
@@ -90,3 +102,5 @@ class SchedulerStats:
     num_scheduled_tokens_total: int  # tokens run through the model since start
     num_steps: int
     num_batched_reqs_max: int
+    running_loras: tuple[str, ...] = ()  # adapter names of running requests (vLLM's lora_requests_info)
+    waiting_loras: tuple[str, ...] = ()

@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Optional
 
+from pagedllm.core.contracts import LoRAHandle
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -52,6 +53,8 @@ class Request:
         "num_preemptions",
         "stop_reason",
         "max_tokens",
+        "lora",
+        "lora_slot",
     )
 
     def __init__(
@@ -62,6 +65,7 @@ class Request:
         max_tokens: int,
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
+        lora: Optional[LoRAHandle] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -77,6 +81,16 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.lora = lora  # the adapter it runs with (None: the base model)
+        self.lora_slot = -1  # the adapter slot it holds while running (-1: none)
+
+    @property
+    def cache_key(self) -> Optional[str]:
+        """What keys its first KV block besides the tokens (the chain carries it on): the adapter's
+        identity and the cache salt, so two adapters (or tenants) never share KV."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"lora:{self.lora.key}" + (f"\x00salt:{self.cache_salt}" if self.cache_salt else "")
 
     @property
     def num_tokens(self) -> int:

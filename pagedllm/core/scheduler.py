@@ -22,6 +22,7 @@ from pagedllm.core.contracts import (
     SchedulerStats,
 )
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.lora_slots import AdapterSlots
 from pagedllm.core.request import Request, RequestStatus, finish_reason_of
 
 
@@ -32,6 +33,8 @@ class SchedulerLimits:
     max_model_len: int
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap beyond the budget
+    max_loras: int = 0  # LoRA adapter slots on the workers (0 = LoRA off)
+    max_loras_per_step: int = 0  # most distinct adapters in one step (0 = max_loras)
 
 
 class Scheduler:
@@ -48,6 +51,7 @@ class Scheduler:
         self.num_scheduled_tokens_total = 0
         self.num_steps = 0
         self.num_batched_reqs_max = 0
+        self.lora_slots = AdapterSlots(limits.max_loras) if limits.max_loras else None
 
     # ---- admission --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -68,6 +72,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        step_loras: set[str] = set()  # adapters this step runs (capped at max_loras_per_step)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -76,7 +81,7 @@ class Scheduler:
                 i += 1
                 continue
             num_new = self._num_new_tokens(req, budget)
-            if num_new <= 0:
+            if num_new <= 0 or not self._lora_fits_step(req, step_loras):
                 i += 1
                 continue
             while True:
@@ -111,7 +116,11 @@ class Scheduler:
                 if not self.limits.enable_chunked_prefill and num_new > budget:
                     break
                 num_new = self._cap(num_new, budget)
+                if not self._lora_admit(req, step_loras):  # its adapter waits for a slot; others go on
+                    skipped.append(self.waiting.popleft())
+                    continue
                 if self.kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    self._lora_release(req)
                     break
                 self.waiting.popleft()
                 self.kv.record_prefix_lookup(req.num_tokens, num_hit)
@@ -141,6 +150,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=frozenset(self._finished_ids),
             preempted_req_ids=frozenset(preempted | self._rewound_ids),
+            lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else (),
         )
         self._finished_ids.clear()
         self._rewound_ids.clear()
@@ -164,10 +174,44 @@ class Scheduler:
             block_ids=self.kv.get_block_ids(req.request_id),
             num_computed_tokens=req.num_computed_tokens,
             num_output_tokens=req.num_output_tokens,
+            lora_slot=req.lora_slot,
         )
+
+    # ---- LoRA adapter slots -----------------------------------------------------------------
+    def _lora_fits_step(self, req: Request, step_loras: set[str]) -> bool:
+        """Under the cap of distinct adapters per step (counting this request's)."""
+        if req.lora is None or req.lora.key in step_loras:
+            return True
+        if len(step_loras) >= (self.limits.max_loras_per_step or self.limits.max_loras):
+            return False
+        step_loras.add(req.lora.key)
+        return True
+
+    def _lora_admit(self, req: Request, step_loras: set[str]) -> bool:
+        """Pin a slot for a waiting request's adapter (False: none free, or over the step's cap)."""
+        if req.lora is None:
+            return True
+        if self.lora_slots is None:
+            raise ValueError("this engine was started without LoRA (enable_lora)")
+        fresh = req.lora.key not in step_loras
+        if not self._lora_fits_step(req, step_loras):
+            return False
+        slot = self.lora_slots.acquire(req.lora)
+        if slot is None:
+            if fresh:
+                step_loras.discard(req.lora.key)
+            return False
+        req.lora_slot = slot
+        return True
+
+    def _lora_release(self, req: Request) -> None:
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_slot)
+            req.lora_slot = -1
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self._lora_release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -227,6 +271,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.kv.free(req, uncache=status == RequestStatus.FINISHED_ERROR)
+        self._lora_release(req)
         if req.request_id in self._sent_to_workers:
             self._finished_ids.add(req.request_id)
             self._sent_to_workers.discard(req.request_id)
@@ -267,6 +312,7 @@ class Scheduler:
             elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 self.waiting.remove(req)
             self.kv.free(req, uncache=True)
+            self._lora_release(req)
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
             self._sent_to_workers.discard(rid)
@@ -287,4 +333,6 @@ class Scheduler:
             num_scheduled_tokens_total=self.num_scheduled_tokens_total,
             num_steps=self.num_steps,
             num_batched_reqs_max=self.num_batched_reqs_max,
+            running_loras=tuple(sorted({r.lora.name for r in self.running if r.lora is not None})),
+            waiting_loras=tuple(sorted({r.lora.name for r in self.waiting if r.lora is not None})),
         )

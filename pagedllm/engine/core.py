@@ -32,6 +32,8 @@ class EngineCore:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            max_loras_per_step=config.max_loras_per_step or 0,
         )
         self.scheduler = Scheduler(limits, self.kv_cache_manager)
 

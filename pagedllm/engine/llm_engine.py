@@ -73,6 +73,11 @@ class LLMEngine:
         self.hf_config = hf_config
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = _eos_ids(config.model, hf_config, self.tokenizer)
+        self.lora_registry = None  # the adapters this engine knows (enable_lora)
+        if config.enable_lora:
+            from pagedllm.lora.registry import LoRARegistry
+
+            self.lora_registry = LoRARegistry(hf_config, config.max_lora_rank)
         # The model's recommended sampling defaults, for requests that leave those fields unset.
         self.default_sampling_params = load_generation_defaults(config.model, config.generation_config)
         if self.default_sampling_params:
@@ -96,6 +101,7 @@ class LLMEngine:
         params: SamplingParams,
         output_kind: str = OUTPUT_FINAL,
         arrival_time: Optional[float] = None,
+        lora_request=None,
     ) -> str:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -105,6 +111,7 @@ class LLMEngine:
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.input_processor.process(prompt)
+        lora = self.resolve_lora(lora_request)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -115,7 +122,7 @@ class LLMEngine:
         try:
             for i, cid in enumerate(child_ids):
                 cp = params if params.n == 1 else params.clone(seed=None if params.seed is None else _child_seed(params.seed, i))
-                req = Request(cid, ids, cp, max_tokens=max_tokens, arrival_time=arrival_time)
+                req = Request(cid, ids, cp, max_tokens=max_tokens, arrival_time=arrival_time, lora=lora)
                 self.core.add_request(req)
                 added.append(cid)
                 detok = (
@@ -133,6 +140,15 @@ class LLMEngine:
             raise
         self.parents[request_id] = parent
         return request_id
+
+    def resolve_lora(self, lora_request):
+        """The adapter handle of a LoRARequest (checked on first sight; ValueError if it is bad or
+        the engine runs without enable_lora); None for the base model."""
+        if lora_request is None:
+            return None
+        if self.lora_registry is None:
+            raise ValueError("lora_request needs an engine started with enable_lora=True")
+        return self.lora_registry.resolve(lora_request)
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests (their blocks are freed at once). Returns each aborted request's final

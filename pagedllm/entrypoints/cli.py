@@ -51,6 +51,12 @@ _HELP = {
                    "parallelism, or the bound CPUs' count; env PAGEDLLM_THREADS_PER_RANK)",
     "cpu_threads_bind": "bind each rank's threads to CPUs: nobind, auto (the allowed CPUs split evenly across "
                         "ranks) or explicit lists per rank such as 0-3|4-7 (env PAGEDLLM_CPU_THREADS_BIND)",
+    "enable_lora": "serve LoRA adapters (PEFT format) beside the base model, mixed in one batch",
+    "max_loras": "LoRA adapter slots: distinct adapters that can run at once (others wait for a slot)",
+    "max_lora_rank": "the largest LoRA rank accepted (slots are sized for it)",
+    "max_cpu_loras": "LoRA adapters kept read in host memory per worker, least recently used dropped (default "
+                     "max_loras)",
+    "max_loras_per_step": "most distinct LoRA adapters in one step (default max_loras)",
 }
 _SKIP = {"model"}
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,

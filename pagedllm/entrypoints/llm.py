@@ -41,7 +41,9 @@ class LLM:
         sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
         prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
         use_tqdm: bool = True,
+        lora_request=None,
     ) -> list[RequestOutput]:
+        """``lora_request``: a LoRARequest for every prompt, or a list with one (or None) per prompt."""
         if prompts is None and prompt_token_ids is None:
             raise ValueError("pass prompts or prompt_token_ids")
         if prompts is not None and prompt_token_ids is not None:
@@ -55,7 +57,7 @@ class LLM:
         else:
             items = list(prompts)
         params = self._expand_params(sampling_params, len(items))
-        return self._run(items, params, use_tqdm)
+        return self._run(items, params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -65,6 +67,7 @@ class LLM:
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Optional[dict[str, Any]] = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
@@ -74,7 +77,7 @@ class LLM:
                                                     **(chat_template_kwargs or {}))}
             for conv in conversations
         ]
-        return self._run(items, self._expand_params(sampling_params, len(items)), use_tqdm)
+        return self._run(items, self._expand_params(sampling_params, len(items)), use_tqdm, lora_request)
 
     def _expand_params(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:
@@ -86,8 +89,21 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         return sp
 
-    def _run(self, items: list[Any], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _expand_loras(self, lora_request, n: int) -> list:
+        if lora_request is None or not isinstance(lora_request, (list, tuple)):
+            loras = [lora_request] * n
+        else:
+            loras = list(lora_request)
+            if len(loras) != n:
+                raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
+        for lr in dict.fromkeys(l for l in loras if l is not None):  # bad adapters: ValueError before anything runs
+            self.engine.resolve_lora(lr)
+        return loras
+
+    def _run(self, items: list[Any], params: list[SamplingParams], use_tqdm: bool,
+             lora_request=None) -> list[RequestOutput]:
         engine = self.engine
+        loras = self._expand_loras(lora_request, len(items))
         # Validate everything before anything is queued: one bad prompt fails the call cleanly.
         for i, item in enumerate(items):
             try:
@@ -96,8 +112,8 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = []
         try:
-            for item, sp in zip(items, params):
-                ids.append(engine.add_request(None, item, sp, output_kind=OUTPUT_FINAL))
+            for item, sp, lr in zip(items, params, loras):
+                ids.append(engine.add_request(None, item, sp, output_kind=OUTPUT_FINAL, lora_request=lr))
         except Exception:
             engine.abort_request(ids)
             raise

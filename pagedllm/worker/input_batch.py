@@ -24,6 +24,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: Optional[torch.Generator] = None
     prompt_unique_ids: Optional[torch.Tensor] = field(default=None, repr=False)  # for penalties
+    lora_slot: int = -1  # the LoRA adapter slot its rows use (-1: the base model)
 
     @property
     def num_tokens(self) -> int:

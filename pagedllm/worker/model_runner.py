@@ -46,6 +46,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
         self.graph_runner = None  # a DecodeGraphRunner on CUDA unless enforce_eager (set by the worker)
+        self.lora = None  # a LoRASlotManager when LoRA is enabled (set by the worker)
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -67,6 +68,8 @@ class ModelRunner:
             self.generators.pop(rid, None)
         for rid in so.preempted_req_ids:
             self.requests.pop(rid, None)
+        for slot, handle in so.lora_loads:  # adapters the scheduler put into slots for this step
+            self.lora.load(slot, handle)
         for nr in so.scheduled_new_reqs:
             gen = self.generators.get(nr.req_id)
             if gen is None and nr.sampling_params.seed is not None and self.is_sampler:
@@ -81,6 +84,7 @@ class ModelRunner:
                 block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens,
                 generator=gen,
+                lora_slot=nr.lora_slot,
             )
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
@@ -136,8 +140,12 @@ class ModelRunner:
         if graphs is not None and total == len(inputs.req_ids) and total <= graphs.max_batch:  # decode-only
             hidden = graphs.run(inputs.input_ids, inputs.positions, md.slot_mapping, md.seq_lens, md.block_table)
         else:
+            if self.lora is not None:  # every wrapped layer's rows per adapter slot, built once
+                self.lora.begin_step(np.repeat([s.lora_slot for s in inputs.states], inputs.num_scheduled))
             with set_attention_metadata(md):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+            if self.lora is not None:
+                self.lora.end_step()
         self.num_forward_tokens += total
         return hidden
 

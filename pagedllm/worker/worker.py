@@ -120,6 +120,12 @@ class Worker:
             logger.info("CPU %s (%s), %d threads, %s: kernels %s (level %s, best for this CPU %s)", d["cpu_model"],
                         " ".join(d["cpu_flags"]), torch.get_num_threads(), self.dtype, d["kernels"], d["isa"],
                         d["isa_cpu_best"])
+        self.lora = None  # LoRA: the model's projections wrapped with adapter slots (after packing)
+        if config.enable_lora:
+            from pagedllm.lora.slots import LoRASlotManager
+
+            self.lora = LoRASlotManager(self.model, hf_config, config.max_loras, config.max_lora_rank,
+                                        config.max_cpu_loras or config.max_loras, self.dtype, self.device)
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype,
@@ -210,9 +216,12 @@ class Worker:
         for i, layer in enumerate(self.model.attention_layers()):
             layer.bind(self.backend, self.kv_cache[:, i])
         self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed)
+        self.runner.lora = self.lora
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.config.tensor_parallel_size > 1:
                 logger.info("CUDA graphs are not used with tensor parallelism yet: running eagerly")
+            elif self.lora is not None:
+                logger.info("CUDA graphs are not used with LoRA adapters yet: running eagerly")
             else:
                 from pagedllm.worker.cuda_graphs import DecodeGraphRunner
 

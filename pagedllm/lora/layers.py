@@ -1,0 +1,90 @@
+"""A linear layer with ``max_loras`` adapter slots beside its base weight.
+
+``LoRALinear`` wraps one of the model's column- or row-parallel linear modules (a fused one too:
+qkv_proj holds the q, k and v targets, gate_up_proj gate and up) and adds, for the rows of each
+adapter, ``x @ A.T @ B.T`` (B carries the adapter's scaling). Per slot it stores
+
+    lora_a [max_loras, n_targets * max_rank, in_local]   the present targets' A stacked on the rank dim
+    lora_b [max_loras, out_local, max_rank]              each target's B at its output offset
+
+zero-padded to the largest rank. The shrink is one product per slot (every target at once), the
+expand one per slot and present target, into that target's output columns; a target an adapter
+leaves out is skipped (its B rows are zero).
+
+Tensor parallel: a column-parallel layer holds full A and its rank's rows of B (sliced like the
+base weight's output, q/k/v by heads); a row-parallel layer holds its rank's columns of A and full
+B, and the shrunk [rows, r] activations are summed across ranks (one small all-reduce per layer)
+before the expand, so every rank adds the whole delta to the all-reduced base output.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.lora.batch import LoRAStepState
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Module, targets: tuple[str, ...], out_sizes: list[int], in_features: int,
+                 row_parallel: bool, state: LoRAStepState, max_loras: int, max_rank: int, tp,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.base = base
+        self.targets = targets
+        self.out_sizes = list(out_sizes)  # this rank's output features per target
+        self.offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+        self.in_features = in_features  # this rank's input features
+        self.row_parallel = row_parallel
+        self.state = state
+        self.tp = tp
+        self.max_rank = max_rank
+        self.register_buffer("lora_a", torch.zeros(max_loras, len(targets) * max_rank, in_features, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, sum(out_sizes), max_rank, dtype=dtype, device=device),
+                             persistent=False)
+        self.slot_rank = [0] * max_loras  # host copies: the rank in each slot (0: no delta for this layer)
+        self.slot_targets: list[tuple[int, ...]] = [()] * max_loras  # target indices present, in stacked order
+
+    def set_slot(self, slot: int, rank: int, pieces: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Load one adapter's (A, B) per target index (already sliced for this rank) into ``slot``."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        present = tuple(sorted(pieces))
+        for j, t in enumerate(present):
+            A, B = pieces[t]
+            a[j * rank:(j + 1) * rank].copy_(A)
+            b[self.offsets[t]:self.offsets[t] + self.out_sizes[t], :rank].copy_(B)
+        self.slot_rank[slot] = rank if present else 0
+        self.slot_targets[slot] = present
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        batch = self.state.batch
+        if batch is None:
+            return y
+        xs = x if batch.index is None else x.index_select(0, batch.index)
+        shrunk = []  # (slot, start, end, [rows, n * r])
+        for slot, start, end in batch.groups:
+            r = self.slot_rank[slot]
+            if r:
+                n = len(self.slot_targets[slot])
+                shrunk.append((slot, start, end, xs[start:end] @ self.lora_a[slot, :n * r].t()))
+        if not shrunk:
+            return y
+        if self.row_parallel and self.tp.world_size > 1:  # partial sums over this rank's input columns
+            flat = self.tp.all_reduce(torch.cat([t.reshape(-1) for *_, t in shrunk]))
+            parts, at = [], 0
+            for slot, start, end, t in shrunk:
+                parts.append((slot, start, end, flat[at:at + t.numel()].view_as(t)))
+                at += t.numel()
+            shrunk = parts
+        out = y if batch.index is None else y.new_zeros(batch.num_rows, y.shape[-1])
+        for slot, start, end, t in shrunk:
+            r = self.slot_rank[slot]
+            for j, target in enumerate(self.slot_targets[slot]):
+                lo, size = self.offsets[target], self.out_sizes[target]
+                out[start:end, lo:lo + size].addmm_(t[:, j * r:(j + 1) * r], self.lora_b[slot, lo:lo + size, :r].t())
+        if batch.index is not None:
+            y.index_add_(0, batch.index, out)
+        return y
