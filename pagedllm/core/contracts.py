@@ -32,6 +32,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     num_output_tokens: int
+    beam: Optional[BeamRow] = None  # a beam of a beam-search group: scored, not sampled
     lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model)
 
 
@@ -52,6 +53,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]  # workers drop their state for these
     preempted_req_ids: frozenset[str]
+    # Beam search: (source, destination) block ids whose K/V workers copy before the forward
+    # (copy-on-write of a partly filled block that forked beams share).
+    block_copies: tuple[tuple[int, int], ...] = ()
     lora_loads: tuple[tuple[int, LoRAHandle], ...] = ()  # (slot, adapter): workers load these before the step
 
     @property
@@ -76,6 +80,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # prompt logprobs for the chunk computed this step: list over positions of (ids, logprobs)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)  # by beam group id
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +92,7 @@ class EngineCoreOutput:
     logprobs: Optional[Logprobs] = None
     prompt_logprobs: Optional[Logprobs] = None
     num_cached_tokens: int = 0
+    beam_hypotheses: Optional[list[BeamHypothesis]] = None  # a finished beam search: best first
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +110,35 @@ class SchedulerStats:
     num_batched_reqs_max: int
     running_loras: tuple[str, ...] = ()  # adapter names of running requests (vLLM's lora_requests_info)
     waiting_loras: tuple[str, ...] = ()
+
+
+# ---- beam search ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class BeamRow:
+    """Marks a scheduled sequence as a beam: the runner scores its next token within its group."""
+
+    group_id: str
+    cum_logprob: float
+    num_candidates: int  # the group's top-k across all its beams
+
+
+@dataclass(frozen=True, slots=True)
+class BeamCandidates:
+    """One group's best continuations this step, best first (cumulative logprob order)."""
+
+    parent_ids: list[str]  # the beam (request id) each continues
+    token_ids: list[int]
+    cum_logprobs: list[float]  # parent's cumulative logprob + the token's
+    logprobs: Optional[Logprobs] = None  # a row per candidate (token first, then top-k) when asked
+
+
+@dataclass(frozen=True, slots=True)
+class BeamHypothesis:
+    """A finished beam: its generated tokens, cumulative logprob and length-penalised score."""
+
+    token_ids: list[int]
+    cum_logprob: float
+    score: float
+    logprobs: Optional[list[Logprobs]]  # one row per token when logprobs were asked
+    finish_reason: str
+    stop_reason: int | str | None = None

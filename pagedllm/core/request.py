@@ -53,6 +53,7 @@ class Request:
         "num_preemptions",
         "stop_reason",
         "max_tokens",
+        "beam",
         "lora",
         "lora_slot",
     )
@@ -81,6 +82,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        self.beam = None  # its BeamGroup (core/beam_group.py) when it is a beam of a beam search
         self.lora = lora  # the adapter it runs with (None: the base model)
         self.lora_slot = -1  # the adapter slot it holds while running (-1: none)
 

@@ -21,6 +21,7 @@ from pagedllm.core.contracts import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedllm.core import beam_scheduling
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.lora_slots import AdapterSlots
 from pagedllm.core.request import Request, RequestStatus, finish_reason_of
@@ -51,6 +52,7 @@ class Scheduler:
         self.num_scheduled_tokens_total = 0
         self.num_steps = 0
         self.num_batched_reqs_max = 0
+        self.beam_groups: dict = {}  # group id -> BeamGroup (core/beam_scheduling.py has their rules)
         self.lora_slots = AdapterSlots(limits.max_loras) if limits.max_loras else None
 
     # ---- admission --------------------------------------------------------------------------
@@ -59,6 +61,9 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.beam is not None:
+            request.beam.start(request)
+            self.beam_groups[request.request_id] = request.beam
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -72,11 +77,18 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        block_copies: list[tuple[int, int]] = []  # beam search copy-on-write
         step_loras: set[str] = set()  # adapters this step runs (capped at max_loras_per_step)
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.beam is not None:  # a beam group: scheduled whole (core/beam_scheduling.py)
+                i, budget, stop = beam_scheduling.schedule_running(self, i, budget, only, num_scheduled, new_reqs,
+                                                                   preempted, block_copies)
+                if stop:
+                    break
+                continue
             if only is not None and req.request_id not in only:
                 i += 1
                 continue
@@ -108,6 +120,14 @@ class Scheduler:
             skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
                 req = self.waiting[0]
+                if req.beam is not None:  # a beam group: admitted whole or not at all
+                    verdict, budget = beam_scheduling.admit(self, budget, only, num_scheduled, new_reqs)
+                    if verdict == beam_scheduling.SKIPPED:
+                        skipped.extend(self.waiting.popleft() for _ in req.beam.beams)
+                        continue
+                    if verdict == beam_scheduling.BLOCKED:
+                        break
+                    continue
                 if only is not None and req.request_id not in only:
                     skipped.append(self.waiting.popleft())
                     continue
@@ -150,6 +170,7 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=frozenset(self._finished_ids),
             preempted_req_ids=frozenset(preempted | self._rewound_ids),
+            block_copies=tuple(block_copies),
             lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else (),
         )
         self._finished_ids.clear()
@@ -210,6 +231,8 @@ class Scheduler:
             req.lora_slot = -1
 
     def _preempt(self, req: Request) -> None:
+        if req.beam is not None:  # its whole group goes
+            return beam_scheduling.preempt_group(self, req.beam)
         self.kv.free(req)
         self._lora_release(req)
         req.status = RequestStatus.PREEMPTED
@@ -224,6 +247,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if runner_output.beam_candidates:  # beam groups advance (their rows sample nothing)
+            outputs.extend(beam_scheduling.apply_candidates(self, runner_output))
         for idx, rid in enumerate(runner_output.req_ids):
             req = self.requests.get(rid)
             if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
@@ -282,6 +307,12 @@ class Scheduler:
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
+            group = self.beam_groups.get(rid) if req is None else req.beam
+            if group is not None:  # a beam search ends whole, under its group (= request) id
+                if group.group_id in self.beam_groups:
+                    beam_scheduling.finish_group(self, group, status)
+                    done.append(group.group_id)
+                continue
             if req is None:
                 continue
             if req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
@@ -307,6 +338,10 @@ class Scheduler:
         self._finished_ids |= scheduler_output.finished_req_ids
         for rid in reversed(ids):
             req = self.requests[rid]
+            if req.beam is not None:  # the whole group goes back
+                if req.status == RequestStatus.RUNNING:
+                    beam_scheduling.preempt_group(self, req.beam, uncache=True)
+                continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):

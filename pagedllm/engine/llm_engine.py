@@ -14,6 +14,7 @@ from typing import Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.engine.beam_search import BeamRequests, BeamSearchParams
 from pagedllm.engine.core import EngineCore
 from pagedllm.models.config_json import load_generation_defaults, load_hf_config
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -86,6 +87,7 @@ class LLMEngine:
                         self.default_sampling_params)
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.beams = BeamRequests(self.tokenizer, self.output_processor, self.eos_token_ids)  # beam searches
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
         self._ids = itertools.count()
@@ -103,6 +105,8 @@ class LLMEngine:
         arrival_time: Optional[float] = None,
         lora_request=None,
     ) -> str:
+        if isinstance(params, BeamSearchParams):
+            return self._add_beam_search(request_id, prompt, params, arrival_time, None)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.n > self.config.max_n:
@@ -150,6 +154,26 @@ class LLMEngine:
             raise ValueError("lora_request needs an engine started with enable_lora=True")
         return self.lora_registry.resolve(lora_request)
 
+    def _add_beam_search(self, request_id: Optional[str], prompt: PromptType, params: BeamSearchParams,
+                         arrival_time: Optional[float], lora_request) -> str:
+        """One beam group (engine/beam_search.py); its result comes once, when the search ends."""
+        if params.beam_width > self.config.max_n:
+            raise ValueError(f"beam_width must be at most {self.config.max_n} (max_n), got {params.beam_width}")
+        if lora_request is not None:
+            raise ValueError("beam search with a LoRA adapter (lora_request) is not supported")
+        request_id = request_id or self.new_request_id()
+        if request_id in self.parents or request_id in self.beams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.input_processor.process(prompt)
+        max_tokens = min(self.max_model_len - len(ids), params.max_tokens)
+        bs = self.config.block_size
+        need = params.beam_width * -(-(len(ids) + max_tokens) // bs)
+        if need > self.core.num_blocks:  # W beams recomputed apart after a preemption must fit
+            raise ValueError(f"beam_width x (prompt + max_tokens) needs up to {need} KV blocks, the cache has "
+                             f"{self.core.num_blocks}: lower beam_width or max_tokens")
+        self.core.add_request(self.beams.make_request(request_id, text, ids, params, max_tokens, arrival_time))
+        return request_id
+
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests (their blocks are freed at once). Returns each aborted request's final
         RequestOutput (unfinished sequences with finish_reason "abort"), for metrics."""
@@ -157,6 +181,10 @@ class LLMEngine:
             request_ids = [request_ids]
         finals: list[RequestOutput] = []
         for rid in request_ids:
+            if rid in self.beams:
+                self.core.abort_requests([rid])
+                finals.append(self.beams.abort(rid))
+                continue
             parent = self.parents.get(rid)
             if parent is None:
                 continue
@@ -176,10 +204,10 @@ class LLMEngine:
         return finals
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.parents)
+        return bool(self.parents) or bool(self.beams.requests)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.parents)
+        return len(self.parents) + len(self.beams.requests)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -187,7 +215,11 @@ class LLMEngine:
         core_outputs = self.core.step()
         touched: dict[str, None] = {}
         stopped: list[str] = []
+        beam_results: list[RequestOutput] = []
         for out in core_outputs:
+            if out.req_id in self.beams:  # a beam search ended: its beam_width best sequences
+                beam_results.append(self.beams.finish(out))
+                continue
             if out.req_id not in self.output_processor.states:
                 continue
             st, stopped_by_string = self.output_processor.process(out)
@@ -198,7 +230,7 @@ class LLMEngine:
             touched[st.parent_id] = None
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        results = []
+        results = beam_results
         for pid in touched:
             ro = self._make_output(self.parents[pid])
             if ro is not None:

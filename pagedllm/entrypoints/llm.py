@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
 from pagedllm.engine.llm_engine import OUTPUT_FINAL, LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -138,6 +139,34 @@ class LLM:
             if bar is not None:
                 bar.close()
         return results  # type: ignore[return-value]
+
+    def beam_search(self, prompts: Union[str, Sequence[Any]], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search inside the engine (vLLM's call shape): per prompt, the ``beam_width`` best
+        sequences (prompt + generated tokens), best score first, with their cumulative logprobs.
+        Beams share KV blocks and fork with copy-on-write; HF transformers' scores and stopping."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        engine = self.engine
+        for i, item in enumerate(items):
+            try:
+                engine.input_processor.process(item)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        try:
+            for item in items:
+                ids.append(engine.add_request(None, item, params, output_kind=OUTPUT_FINAL))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        return [to_beam_search_output(results[rid]) for rid in ids]
 
     # ---- cache & stats ----------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.core.contracts import BeamRow
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -24,6 +25,7 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: Optional[torch.Generator] = None
     prompt_unique_ids: Optional[torch.Tensor] = field(default=None, repr=False)  # for penalties
+    beam: Optional[BeamRow] = None  # a beam of a beam-search group: scored (worker/beam_rows.py), not sampled
     lora_slot: int = -1  # the LoRA adapter slot its rows use (-1: the base model)
 
     @property

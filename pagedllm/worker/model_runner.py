@@ -23,11 +23,13 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.block_copy import copy_blocks, layer_cache_planes
 from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.attention.forward_context import set_attention_metadata
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
+from pagedllm.worker.beam_rows import score_beam_rows
 from pagedllm.worker.input_batch import CachedRequestState, StepInputs, build_block_table
 
 
@@ -52,14 +54,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_diffs(so)
+        if so.block_copies:  # beam search copy-on-write, before any K/V is written
+            copy_blocks(layer_cache_planes(self.model.attention_layers()), so.block_copies)
         if so.is_empty:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(so)
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)  # before the states grow
+        beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler)  # takes the beam rows out of sampling
         sampled, logprobs = self._sample(inputs, hidden)
         sampled_lists = self._update_states(inputs, sampled)
-        return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs, beam_candidates=beams)
 
     # ---- 1. state diffs ---------------------------------------------------------------------
     def _apply_diffs(self, so: SchedulerOutput) -> None:
@@ -84,6 +89,7 @@ class ModelRunner:
                 block_ids=list(nr.block_ids),
                 num_computed_tokens=nr.num_computed_tokens,
                 generator=gen,
+                beam=nr.beam,
                 lora_slot=nr.lora_slot,
             )
         for cr in so.scheduled_cached_reqs:

@@ -1,0 +1,185 @@
+"""Beam search requests on the engine side: BeamSearchParams, the request's BeamGroup, its output.
+
+The search itself runs inside the engine core (core/beam_group.py, core/beam_scheduling.py:
+beams share KV blocks, copy-on-write, scored per step in one batched op); this module turns a
+request into its group's root Request, gives the group a stop-string checker (the core has no
+tokenizer), and turns the finished hypotheses into one RequestOutput whose ``outputs`` are the
+``beam_width`` best sequences, best score first (``index`` = rank), each with its
+``cumulative_logprob``. ``LLM.beam_search`` returns them in vLLM's BeamSearchOutput shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from pagedllm.core.beam_group import BeamGroup
+from pagedllm.core.contracts import BeamHypothesis, EngineCoreOutput
+from pagedllm.core.request import Request
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's fields (beam_width, max_tokens, ignore_eos, temperature, length_penalty,
+    include_stop_str_in_output) plus HF's ``early_stopping`` (True, False or "never"), ``stop``
+    strings, ``stop_token_ids`` and ``logprobs`` (top-n per generated token). Scores follow HF
+    transformers: cumulative logprob / generated_tokens ** length_penalty."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: Union[bool, str] = False
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 for beam search (it is deterministic, as HF's "
+                             f"do_sample=False), got {self.temperature!r}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or self.length_penalty != self.length_penalty:
+            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        if self.early_stopping not in (True, False, "never") or (
+                self.early_stopping in (0, 1) and not isinstance(self.early_stopping, bool)):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        # the remaining fields are checked as SamplingParams (ValueError naming the field)
+        self.to_sampling_params()
+
+    @property
+    def n(self) -> int:
+        """Sequences it runs at once (each beam counts toward max_n and admission limits)."""
+        return self.beam_width
+
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=self.logprobs,
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens)
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's shape: ``tokens`` include the prompt."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float
+    score: float  # cum_logprob / generated_tokens ** length_penalty (what orders the beams)
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def make_stop_checker(tokenizer, stops: list[str]):
+    """Does the text end with a stop string once ``token`` is appended? Decodes only a short tail
+    (the stop strings' length in tokens, plus a few for multi-token characters)."""
+    if not stops or tokenizer is None:
+        return None
+    window = max(len(s) for s in stops) + 4
+
+    def check(output_ids: list[int], token: int) -> Optional[str]:
+        tail = output_ids[-window:]
+        before = tokenizer.decode(tail)
+        after = tokenizer.decode(tail + [token])
+        for s in stops:
+            if s in after and s not in before:
+                return s
+        return None
+
+    return check
+
+
+@dataclass
+class _BeamRequest:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group: BeamGroup
+
+
+class BeamRequests:
+    """The engine's beam-search requests (LLMEngine owns one)."""
+
+    def __init__(self, tokenizer, output_processor, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.output_processor = output_processor  # its logprob-dict builder is shared
+        self.eos_token_ids = eos_token_ids
+        self.requests: dict[str, _BeamRequest] = {}
+
+    def make_request(self, request_id: str, text: Optional[str], ids: list[int], bp: BeamSearchParams,
+                     max_tokens: int, arrival_time: Optional[float]) -> Request:
+        sp = bp.to_sampling_params().with_eos(self.eos_token_ids)
+        group = BeamGroup(request_id, bp.beam_width, bp.length_penalty, bp.early_stopping,
+                          make_stop_checker(self.tokenizer, sp.stop))
+        req = Request(request_id, ids, sp, max_tokens=max_tokens, arrival_time=arrival_time)
+        req.beam = group
+        self.requests[request_id] = _BeamRequest(request_id, text, ids, sp, group)
+        return req
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def finish(self, out: EngineCoreOutput) -> RequestOutput:
+        """The group's final output (its hypotheses, best first); the request is forgotten."""
+        br = self.requests.pop(out.req_id)
+        hyps = out.beam_hypotheses if out.beam_hypotheses is not None else br.group.results()
+        completions = [self._completion(i, h, br.params) for i, h in enumerate(hyps)]
+        if out.finish_reason in ("abort", "error"):
+            for c in completions:
+                c.finish_reason = out.finish_reason
+            if not completions:
+                completions = [CompletionOutput(0, "", [], None, None, out.finish_reason)]
+        return RequestOutput(br.request_id, br.prompt, br.prompt_token_ids, None, completions, True,
+                             num_cached_tokens=out.num_cached_tokens,
+                             metrics={"num_generated_tokens": sum(len(h.token_ids) for h in hyps),
+                                      "beam_scores": [h.score for h in hyps]})
+
+    def abort(self, request_id: str) -> Optional[RequestOutput]:
+        br = self.requests.get(request_id)
+        if br is None:
+            return None
+        return self.finish(EngineCoreOutput(request_id, [], finish_reason="abort", beam_hypotheses=br.group.results()))
+
+    def _completion(self, index: int, h: BeamHypothesis, sp: SamplingParams) -> CompletionOutput:
+        ids = list(h.token_ids)
+        text = ""
+        if self.tokenizer is not None:
+            token_stop = h.finish_reason == "stop" and not isinstance(h.stop_reason, str)
+            text_ids = ids[:-1] if token_stop and not sp.include_stop_str_in_output else ids
+            text = self.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens)
+            if isinstance(h.stop_reason, str):
+                cut = text.find(h.stop_reason)
+                if cut != -1:
+                    text = text[: cut + len(h.stop_reason)] if sp.include_stop_str_in_output else text[:cut]
+        lps = None
+        if h.logprobs is not None:
+            lps = [d for row in h.logprobs for d in self.output_processor._logprob_dicts(row)]
+        return CompletionOutput(index, text, ids, h.cum_logprob, lps, h.finish_reason, h.stop_reason)
+
+
+def to_beam_search_output(ro: RequestOutput) -> BeamSearchOutput:
+    scores = ro.metrics.get("beam_scores", [])
+    return BeamSearchOutput([
+        BeamSearchSequence(list(ro.prompt_token_ids) + list(c.token_ids), c.logprobs or [], c.cumulative_logprob or 0.0,
+                           scores[i] if i < len(scores) else 0.0, c.text, c.finish_reason, c.stop_reason)
+        for i, c in enumerate(ro.outputs)
+    ])
