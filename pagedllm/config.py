@@ -16,6 +16,70 @@ def default_model_path() -> str:
     return os.path.join(os.path.dirname(here), "models", "tiny-shakespeare")
 
 
+_SPEC_METHODS = ("ngram", "draft_model", "eagle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``speculative_config`` as a dict or JSON text): ``method`` "ngram"
+    (prompt lookup: the tokens that followed the last earlier occurrence of the sequence's final
+    n-gram, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) or "draft_model" (a
+    smaller ``model`` with the same vocabulary); ``num_speculative_tokens`` drafts per step,
+    verified in one target forward; ``disable_by_batch_size``: no drafts in steps whose running
+    batch is at least this large."""
+
+    method: str
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 0
+    model: Optional[str] = None
+    disable_by_batch_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {_SPEC_METHODS}, got {self.method!r}")
+        if self.method == "eagle":
+            raise ValueError("speculative_config.method 'eagle' is not implemented yet: use 'ngram' or 'draft_model'")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be in 1..16, got "
+                             f"{self.num_speculative_tokens}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model is for method 'draft_model', not 'ngram'")
+            if self.prompt_lookup_max == 0:
+                object.__setattr__(self, "prompt_lookup_max", max(self.prompt_lookup_min, 3))
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        elif not self.model or not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError("speculative_config.model must be a checkpoint directory with a config.json for "
+                             f"method 'draft_model', got {self.model!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def parse(cls, value) -> Optional["SpeculativeConfig"]:
+        """A SpeculativeConfig from itself, a dict, or JSON text (the CLI flag); None stays None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or JSON object, got {type(value).__name__}")
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(names)}")
+        if "method" not in value:
+            raise ValueError("speculative_config.method is required ('ngram' or 'draft_model')")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(default_factory=default_model_path)
@@ -45,6 +109,7 @@ class EngineConfig:
     cpu_keep_freed_memory: bool = field(default_factory=envs.cpu_keep_freed_memory)
     cpu_threads: Optional[int] = field(default_factory=envs.cpu_threads)
     cpu_threads_bind: Optional[str] = field(default_factory=envs.cpu_threads_bind)
+    speculative_config: Optional[SpeculativeConfig] = None  # a dict or JSON text is parsed into one
     # LoRA adapters (PEFT format) served beside the base weights, mixed in one batch
     enable_lora: bool = False
     max_loras: int = 1  # adapter slots: distinct adapters that can run at once
@@ -53,6 +118,7 @@ class EngineConfig:
     max_loras_per_step: Optional[int] = None  # most distinct adapters in one step (default max_loras)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

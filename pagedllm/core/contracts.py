@@ -32,8 +32,8 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     num_output_tokens: int
-    beam: Optional[BeamRow] = None  # a beam of a beam-search group: scored, not sampled
     lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model)
+    beam: Optional[BeamRow] = None  # a beam of a beam-search group: scored, not sampled
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # Speculative decoding: trailing block ids to drop (rejected drafts' blocks went back to the
+    # pool) before appending new_block_ids.
+    num_dropped_block_ids: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +56,13 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: frozenset[str]  # workers drop their state for these
     preempted_req_ids: frozenset[str]
+    lora_loads: tuple[tuple[int, LoRAHandle], ...] = ()  # (slot, adapter): workers load these before the step
+    # Speculative decoding: request id -> draft slots reserved after its next token (its
+    # num_scheduled_tokens is 1 + this); the runner proposes at most this many drafts.
+    num_spec_slots: dict[str, int] = field(default_factory=dict)
     # Beam search: (source, destination) block ids whose K/V workers copy before the forward
     # (copy-on-write of a partly filled block that forked beams share).
     block_copies: tuple[tuple[int, int], ...] = ()
-    lora_loads: tuple[tuple[int, LoRAHandle], ...] = ()  # (slot, adapter): workers load these before the step
 
     @property
     def is_empty(self) -> bool:
@@ -80,6 +86,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     # prompt logprobs for the chunk computed this step: list over positions of (ids, logprobs)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # Speculative decoding: drafts verified per request (batch order); sampled_token_ids then
+    # holds the accepted drafts and one more token. None: no request was drafted for.
+    num_draft_tokens: Optional[list[int]] = None
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)  # by beam group id
 
 
@@ -110,6 +119,12 @@ class SchedulerStats:
     num_batched_reqs_max: int
     running_loras: tuple[str, ...] = ()  # adapter names of running requests (vLLM's lora_requests_info)
     waiting_loras: tuple[str, ...] = ()
+    # Speculative decoding (vLLM's spec_decode counters): verification rows with drafts, drafts
+    # proposed, drafts accepted, and accepted counts by draft position (index 0 = first draft).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
 
 # ---- beam search ------------------------------------------------------------------------------

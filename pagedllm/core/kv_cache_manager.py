@@ -161,6 +161,22 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks[freed:]), uncache)
 
+    def rollback(self, request: Request) -> int:
+        """Speculative decoding: after rejected drafts, keep only the blocks that hold the
+        request's ``num_computed_tokens`` positions; trailing blocks that held nothing but
+        rejected drafts go back to the pool (never hashed: only known tokens are). Returns how
+        many block ids were dropped from the tail."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return 0
+        keep = max(self.blocks_needed(request.num_computed_tokens), self.num_cached_blocks.get(request.request_id, 0))
+        if keep >= len(blocks):
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free_blocks(reversed(tail))
+        return len(tail)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 

@@ -36,6 +36,8 @@ class SchedulerLimits:
     long_prefill_token_threshold: int = 0  # 0 = no per-request cap beyond the budget
     max_loras: int = 0  # LoRA adapter slots on the workers (0 = LoRA off)
     max_loras_per_step: int = 0  # most distinct adapters in one step (0 = max_loras)
+    num_spec_tokens: int = 0  # speculative decoding: draft slots per decoding request (0 = off)
+    spec_disable_batch_size: int = 0  # no drafts while this many requests run (0 = never)
 
 
 class Scheduler:
@@ -54,6 +56,9 @@ class Scheduler:
         self.num_batched_reqs_max = 0
         self.beam_groups: dict = {}  # group id -> BeamGroup (core/beam_scheduling.py has their rules)
         self.lora_slots = AdapterSlots(limits.max_loras) if limits.max_loras else None
+        self._dropped_blocks: dict[str, int] = {}  # speculative decoding: tail block ids workers must drop
+        self.spec_stats = [0, 0, 0]  # rows with drafts, drafts, accepted drafts
+        self.spec_accepted_per_pos = [0] * limits.num_spec_tokens
 
     # ---- admission --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -79,6 +84,7 @@ class Scheduler:
         preempted: set[str] = set()
         block_copies: list[tuple[int, int]] = []  # beam search copy-on-write
         step_loras: set[str] = set()  # adapters this step runs (capped at max_loras_per_step)
+        spec_slots: dict[str, int] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -96,6 +102,8 @@ class Scheduler:
             if num_new <= 0 or not self._lora_fits_step(req, step_loras):
                 i += 1
                 continue
+            spec = self._spec_slots(req, num_new, budget)
+            num_new += spec
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -108,9 +116,12 @@ class Scheduler:
             if new_block_ids is None:
                 break  # req preempted itself: nothing after it is running anymore
             num_scheduled[req.request_id] = num_new
+            if spec:
+                spec_slots[req.request_id] = spec
             budget -= num_new
             if req.request_id in self._sent_to_workers:
-                cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens))
+                cached_reqs.append(CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens,
+                                                     self._dropped_blocks.pop(req.request_id, 0)))
             else:
                 new_reqs.append(self._new_request_data(req))
             i += 1
@@ -170,8 +181,9 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=frozenset(self._finished_ids),
             preempted_req_ids=frozenset(preempted | self._rewound_ids),
-            block_copies=tuple(block_copies),
             lora_loads=self.lora_slots.take_loads() if self.lora_slots is not None else (),
+            num_spec_slots=spec_slots,
+            block_copies=tuple(block_copies),
         )
         self._finished_ids.clear()
         self._rewound_ids.clear()
@@ -184,6 +196,37 @@ class Scheduler:
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         return self._cap(req.num_tokens - req.num_computed_tokens, budget)
+
+    def _spec_slots(self, req: Request, num_new: int, budget: int) -> int:
+        """Speculative decoding: draft slots to reserve after a decoding request's next token,
+        so that the accepted drafts plus one token never pass max_tokens or max_model_len."""
+        lim = self.limits
+        if not lim.num_spec_tokens or num_new != 1 or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        if lim.spec_disable_batch_size and len(self.running) >= lim.spec_disable_batch_size:
+            return 0
+        # Beams are scored, not sampled, and a grammar would have to walk the drafts: these
+        # requests decode one token per step (correct, just not sped up).
+        if getattr(req, "beam", None) is not None or getattr(req.sampling_params, "structured_outputs", None):
+            return 0
+        return max(0, min(lim.num_spec_tokens, budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                          lim.max_model_len - req.num_tokens - 1))
+
+    def _spec_settle(self, req: Request, reserved: int, num_drafts: int, num_sampled: int) -> None:
+        """After a verification step: the computed count covers the accepted drafts only (the
+        last sampled token is computed next step), blocks holding only rejected drafts are freed,
+        and the acceptance counters advance."""
+        req.num_computed_tokens -= 1 + reserved - num_sampled
+        dropped = self.kv.rollback(req)
+        if dropped:
+            self._dropped_blocks[req.request_id] = self._dropped_blocks.get(req.request_id, 0) + dropped
+        if num_drafts:
+            accepted = num_sampled - 1
+            self.spec_stats[0] += 1
+            self.spec_stats[1] += num_drafts
+            self.spec_stats[2] += accepted
+            for j in range(accepted):  # at most num_speculative_tokens per request
+                self.spec_accepted_per_pos[j] += 1
 
     def _new_request_data(self, req: Request) -> NewRequestData:
         # num_computed_tokens here is the value BEFORE this step's tokens are added.
@@ -235,6 +278,7 @@ class Scheduler:
             return beam_scheduling.preempt_group(self, req.beam)
         self.kv.free(req)
         self._lora_release(req)
+        self._dropped_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -254,6 +298,10 @@ class Scheduler:
             if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
             sampled = runner_output.sampled_token_ids[idx]
+            reserved = scheduler_output.num_spec_slots.get(rid, 0)
+            if reserved and sampled:
+                drafts = runner_output.num_draft_tokens[idx] if runner_output.num_draft_tokens is not None else 0
+                self._spec_settle(req, reserved, drafts, len(sampled))
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not sampled:
                 if prompt_lp is not None:
@@ -297,6 +345,7 @@ class Scheduler:
             self.running.remove(req)
         self.kv.free(req, uncache=status == RequestStatus.FINISHED_ERROR)
         self._lora_release(req)
+        self._dropped_blocks.pop(req.request_id, None)
         if req.request_id in self._sent_to_workers:
             self._finished_ids.add(req.request_id)
             self._sent_to_workers.discard(req.request_id)
@@ -348,6 +397,7 @@ class Scheduler:
                 self.waiting.remove(req)
             self.kv.free(req, uncache=True)
             self._lora_release(req)
+            self._dropped_blocks.pop(rid, None)
             req.status = RequestStatus.PREEMPTED
             req.num_computed_tokens = 0
             self._sent_to_workers.discard(rid)
@@ -370,4 +420,8 @@ class Scheduler:
             num_batched_reqs_max=self.num_batched_reqs_max,
             running_loras=tuple(sorted({r.lora.name for r in self.running if r.lora is not None})),
             waiting_loras=tuple(sorted({r.lora.name for r in self.waiting if r.lora is not None})),
+            spec_num_drafts=self.spec_stats[0],
+            spec_num_draft_tokens=self.spec_stats[1],
+            spec_num_accepted_tokens=self.spec_stats[2],
+            spec_accepted_per_pos=tuple(self.spec_accepted_per_pos),
         )

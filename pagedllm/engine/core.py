@@ -14,6 +14,13 @@ from pagedllm.models.config_json import load_hf_config
 logger = logging.getLogger(__name__)
 
 
+def _spec_limits(config: EngineConfig) -> dict:
+    spec = config.speculative_config
+    if spec is None:
+        return {}
+    return {"num_spec_tokens": spec.num_speculative_tokens, "spec_disable_batch_size": spec.disable_by_batch_size or 0}
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, hf_config=None) -> None:
         self.config = config
@@ -34,6 +41,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_loras_per_step=config.max_loras_per_step or 0,
+            **_spec_limits(config),
         )
         self.scheduler = Scheduler(limits, self.kv_cache_manager)
 

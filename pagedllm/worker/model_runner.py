@@ -49,6 +49,7 @@ class ModelRunner:
         self.num_forward_tokens = 0
         self.graph_runner = None  # a DecodeGraphRunner on CUDA unless enforce_eager (set by the worker)
         self.lora = None  # a LoRASlotManager when LoRA is enabled (set by the worker)
+        self.spec = None  # a spec_decode SpecDecoder when speculative decoding is on (set by the worker)
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -58,10 +59,15 @@ class ModelRunner:
             copy_blocks(layer_cache_planes(self.model.attention_layers()), so.block_copies)
         if so.is_empty:
             return ModelRunnerOutput([], [])
-        inputs = self._prepare_inputs(so)
+        drafts, draft_probs = self.spec.propose(self, so) if self.spec is not None else (None, None)
+        inputs = self._prepare_inputs(so, drafts)
         hidden = self._forward(inputs)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)  # before the states grow
         beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler)  # takes the beam rows out of sampling
+        if drafts is not None:  # speculative decoding: every drafted position verified at once
+            lists, logprobs, num_drafts = self.spec.verify(self, inputs, hidden, drafts, draft_probs)
+            return ModelRunnerOutput(inputs.req_ids, lists, logprobs, prompt_logprobs, num_draft_tokens=num_drafts,
+                                     beam_candidates=beams)
         sampled, logprobs = self._sample(inputs, hidden)
         sampled_lists = self._update_states(inputs, sampled)
         return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs, beam_candidates=beams)
@@ -94,14 +100,21 @@ class ModelRunner:
             )
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
+            if cr.num_dropped_block_ids:  # blocks of rejected drafts went back to the pool
+                del st.block_ids[-cr.num_dropped_block_ids:]
             st.block_ids.extend(cr.new_block_ids)
             st.num_computed_tokens = cr.num_computed_tokens
 
     # ---- 2. prepare inputs ------------------------------------------------------------------
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, so: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None) -> StepInputs:
+        """``drafts``: speculative tokens per request, run after its last token (their reserved
+        slots beyond the drafts stay unused)."""
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         n_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if drafts is not None:
+            n_sched -= np.fromiter((so.num_spec_slots.get(r, 0) - len(drafts.get(r, ())) for r in req_ids),
+                                   dtype=np.int64, count=len(req_ids))
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         seq_lens = starts + n_sched
         qsl = np.zeros(len(req_ids) + 1, dtype=np.int64)
@@ -111,6 +124,8 @@ class ModelRunner:
         input_ids: list[int] = []
         for s, a, n in zip(states, starts.tolist(), n_sched.tolist()):
             input_ids.extend(s.token_ids[a : a + n])
+            if drafts:
+                input_ids.extend(drafts.get(s.req_id, ()))
         req_of_token = np.repeat(np.arange(len(req_ids)), n_sched)
         positions = np.arange(total) - qsl[:-1][req_of_token] + starts[req_of_token]
         block_table = build_block_table(states)

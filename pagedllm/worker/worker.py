@@ -139,6 +139,21 @@ class Worker:
         self.budget_note = ""  # where the KV cache budget came from, for the start-up plan
         self.kv_cache: torch.Tensor | None = None
         self.runner: ModelRunner | None = None
+        self.drafter = self._make_drafter()  # speculative decoding's draft model, if any (spec_decode/)
+
+    def _make_drafter(self):
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        if get_tp_group().world_size > 1:
+            raise ValueError("speculative_config method 'draft_model' does not support tensor parallelism yet "
+                             "(use 'ngram', or tensor_parallel_size=1)")
+        if self.kv_sliding_window is not None:
+            raise ValueError("speculative_config method 'draft_model' does not support sliding-window targets yet")
+        from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(spec.model, spec.num_speculative_tokens, self.hf_config.vocab_size, self.dtype,
+                                  self.device, self.config.block_size)
 
     def determine_num_blocks(self) -> int:
         spec = self.kv_spec
@@ -148,7 +163,8 @@ class Worker:
             budget = self._profile_cuda_budget()
         else:
             budget = self._cpu_budget()
-        num_blocks = int(budget // spec.bytes_per_block)
+        draft_bytes = self.drafter.bytes_per_block if self.drafter is not None else 0  # its cache: same blocks
+        num_blocks = int(budget // (spec.bytes_per_block + draft_bytes))
         # Never allocate more than every sequence at full length could use.
         useful = self.config.max_num_seqs * -(-self.max_model_len // spec.block_size)
         if num_blocks > useful:
@@ -217,6 +233,14 @@ class Worker:
             layer.bind(self.backend, self.kv_cache[:, i])
         self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed)
         self.runner.lora = self.lora
+        if self.config.speculative_config is not None:  # spec_decode/: proposers and verification
+            from pagedllm.spec_decode.decoder import SpecDecoder
+
+            if self.drafter is not None:
+                self.drafter.allocate(num_blocks, self.backend)
+            sampler = self.runner.sampler
+            self.runner.spec = SpecDecoder(self.config.speculative_config, sampler.generator if sampler else None,
+                                           self.drafter)
         if self.device.type == "cuda" and not self.config.enforce_eager:
             if self.config.tensor_parallel_size > 1:
                 logger.info("CUDA graphs are not used with tensor parallelism yet: running eagerly")

@@ -1,0 +1,47 @@
+"""SpecDecoder: what the model runner calls for speculative decoding, once per step.
+
+``propose`` fills the draft slots the scheduler reserved (``SchedulerOutput.num_spec_slots``)
+with an n-gram lookup or a draft model, before the target forward; ``verify`` turns the target's
+logits at every drafted position into the accepted tokens (spec_decode/verifier.py). The
+scheduler then rolls back the slots of rejected drafts.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.sample.rejection_sampler import RejectionSampler
+from pagedllm.spec_decode.ngram import NgramProposer
+from pagedllm.spec_decode.verifier import verify_and_update
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, generator: Optional[torch.Generator], drafter=None) -> None:
+        """``generator``: the sampling rank's engine generator (None on other TP ranks);
+        ``drafter``: a DraftModelProposer for method "draft_model"."""
+        self.config = config
+        self.ngram = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+                      if config.method == "ngram" else None)
+        self.drafter = drafter
+        self.sampler = RejectionSampler(generator) if generator is not None else None
+
+    def propose(self, runner, so) -> tuple[Optional[dict[str, list[int]]], Optional[torch.Tensor]]:
+        """(drafts by request id, proposal probabilities [sum k, V] in batch order or None), or
+        (None, None) when no request has draft slots this step."""
+        gone = so.finished_req_ids | so.preempted_req_ids
+        if self.ngram is not None:
+            self.ngram.drop(gone)
+        if self.drafter is not None:
+            self.drafter.forget(gone | {nr.req_id for nr in so.scheduled_new_reqs})
+        if not so.num_spec_slots:
+            return None, None
+        if self.ngram is not None:
+            states = runner.requests
+            drafts = self.ngram.propose({r: states[r].token_ids for r in so.num_spec_slots}, so.num_spec_slots)
+            return drafts, None
+        return self.drafter.propose(runner, so)
+
+    def verify(self, runner, inputs, hidden, drafts, draft_probs):
+        return verify_and_update(runner, inputs, hidden, drafts, draft_probs, self.sampler)

@@ -1,0 +1,62 @@
+"""N-gram (prompt lookup) proposer: the tokens that followed the most recent earlier occurrence
+of the sequence's last n tokens, trying n from ``prompt_lookup_max`` down to ``prompt_lookup_min``.
+
+Each request keeps an incremental index: n-gram -> where its latest earlier occurrence's
+continuation starts. Tokens appended since the last step add their n-grams (a few dict writes
+per new token and n); a proposal is one dict lookup per n. So a step costs O(new tokens) per
+request, never O(history); the prompt is indexed once, when the request is first seen.
+Proposals are one-hot (no probabilities): the rejection sampler accepts draft d with
+probability p(d), which for greedy requests is a prefix match.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+
+class _Index:
+    __slots__ = ("table", "length")
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[int, ...], int] = {}
+        self.length = 0  # tokens whose n-grams ending before the last token are indexed
+
+
+class NgramProposer:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.k = num_speculative_tokens
+        self.n_min = prompt_lookup_min
+        self.n_max = prompt_lookup_max
+        self.indexes: dict[str, _Index] = {}
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self.indexes.pop(rid, None)
+
+    def _extend(self, idx: _Index, tokens: Sequence[int]) -> None:
+        """Index every n-gram that now has a continuation token (ends before the last token).
+        Later occurrences overwrite earlier ones: the lookup finds the most recent."""
+        table, sizes = idx.table, range(self.n_min, self.n_max + 1)
+        end = len(tokens) - 1  # n-grams ending at positions < end have a continuation
+        for e in range(max(idx.length - 1, 0), end):
+            for n in sizes:
+                if e - n + 1 < 0:
+                    break
+                table[tuple(tokens[e - n + 1 : e + 1])] = e + 1
+        idx.length = len(tokens)
+
+    def propose_one(self, req_id: str, tokens: Sequence[int], max_drafts: int) -> list[int]:
+        """Up to ``max_drafts`` (<= k) tokens continuing ``tokens``; [] when no n-gram recurs."""
+        idx = self.indexes.get(req_id)
+        if idx is None or idx.length > len(tokens):
+            idx = self.indexes[req_id] = _Index()
+        self._extend(idx, tokens)
+        num = len(tokens)
+        for n in range(min(self.n_max, num - 1), self.n_min - 1, -1):
+            start = idx.table.get(tuple(tokens[num - n :]))
+            if start is not None:
+                return list(tokens[start : min(start + max_drafts, num)])
+        return []
+
+    def propose(self, requests: dict[str, Sequence[int]], max_drafts: dict[str, int]) -> dict[str, list[int]]:
+        """Drafts for each request id in ``max_drafts`` (its reserved slots) from its tokens."""
+        return {rid: self.propose_one(rid, requests[rid], min(m, self.k)) for rid, m in max_drafts.items()}
