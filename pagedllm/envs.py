@@ -14,6 +14,7 @@ API key, which operators prefer to keep out of process listings.
 | PAGEDLLM_API_KEY                  | ``pagedllm serve --api-key``        |
 | CXX                               | the CPU kernels' compiler (c++)     |
 | LOCAL_WORLD_SIZE (set by torchrun) | ranks sharing this host's memory    |
+| CUDA_VISIBLE_DEVICES              | GPUs split across data-parallel replicas |
 """
 from __future__ import annotations
 
@@ -70,3 +71,9 @@ def local_world_size() -> Optional[int]:
         return int(value) if value is not None and int(value) >= 1 else None
     except ValueError:
         return None
+
+
+def cuda_visible_devices() -> Optional[list[str]]:
+    """The GPUs this process may use as CUDA_VISIBLE_DEVICES lists them (None: unset, all)."""
+    value = _get("CUDA_VISIBLE_DEVICES")
+    return None if value is None else [d.strip() for d in value.split(",") if d.strip()]

@@ -18,6 +18,11 @@ from pagedllm.config import EngineConfig, default_model_path
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
     "dtype": "weights and KV cache dtype: auto (from the checkpoint), float32, bfloat16, float16",
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype), fp8_e4m3 (alias fp8), fp8_e5m2 or int8; the 8-bit "
+                      "dtypes keep a bf16 scale per token and kv head and hold ~2x the tokens of a bf16 cache",
+    "quantization": "weight quantization: default detected from config.json quantization_config (gptq, awq, "
+                    "compressed-tensors, fp8); int8 or fp8 on an unquantized checkpoint quantize it at load, per "
+                    "output channel",
     "device": "auto, cpu, cuda or cuda:N",
     "seed": "global random seed",
     "block_size": "tokens per KV cache block (a power of two)",
@@ -158,8 +163,26 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--metrics-prefix", default="pagedllm",
                      help="prefix of the /metrics names (PREFIX:num_requests_running ...); 'vllm' makes vLLM's "
                           "dashboards work unchanged")
+    srv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="LoRA adapters to serve (needs --enable-lora): name=path, or a JSON object "
+                          '{"name": ..., "path": ..., "base_model_name": ...}; a request\'s model picks one')
+    srv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                     help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
+    srv.add_argument("--data-parallel-size", type=int, default=1,
+                     help="engine replicas behind this server: N child servers on internal ports, each pinned to "
+                          "its share of the CPUs (or its own GPUs), and a prefix-aware router on --port")
+    from pagedllm.entrypoints.router.server import add_router_args, add_router_parser
+
+    add_router_args(srv)
     add_engine_args(srv)
+    add_router_parser(sub)
     return parser
+
+
+def sub_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of one subcommand (``serve``) of the ``pagedllm`` parser."""
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[name]
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -241,11 +264,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "router":
+            from pagedllm.entrypoints.router.server import run_router_command
+
+            return run_router_command(args)
         args.stop_requested = _catch_stop_signals()
         args.model = args.model or args.model_pos
         if not args.model and not args.served_model_name:  # the embedded default model
             args.served_model_name = os.path.basename(default_model_path())
         config = engine_config_from_args(args)
+        if args.data_parallel_size != 1:
+            if args.data_parallel_size < 1:
+                raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+            from pagedllm.entrypoints.router.data_parallel import run_data_parallel
+
+            return run_data_parallel(config, args, sub_parser(parser, "serve"))
         if config.tensor_parallel_size > 1:
             from pagedllm.executor.multiproc import launched_as_worker_rank, serve_as_worker_rank
 
@@ -262,7 +295,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  chat_template_timeout=args.chat_template_timeout, chat_template=args.chat_template,
                                  max_request_body_size=args.max_request_body_size,
                                  http_read_timeout=args.http_read_timeout, request_timeout=args.request_timeout,
-                                 metrics_prefix=args.metrics_prefix)
+                                 metrics_prefix=args.metrics_prefix, lora_modules=tuple(args.lora_modules or ()),
+                                 allow_runtime_lora_updating=args.allow_runtime_lora_updating)
         return run_server(config, server_args, args.stop_requested)
     except ValueError as e:  # bad configuration: one clear line, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)

@@ -1,0 +1,310 @@
+"""The router's FastAPI app: OpenAI requests proxied to one replica each.
+
+/v1/completions and /v1/chat/completions are routed (replicas.ReplicaSet.choose) by the prompt's
+block hash chain; /tokenize and /detokenize by load; /v1/models comes from a healthy backend;
+/health is 200 while at least one replica is; /metrics merges the backends' and adds the
+router's own. Streams pass through unbuffered (each chunk is forwarded as it arrives). A replica
+that cannot be reached before it answers (connect error, or a 503 saying it is loading, draining
+or dead) is taken out and the request goes to the next one; one that fails mid-answer ends the
+request with a 502 (or, mid-stream, an OpenAI error event and [DONE]). The client's Authorization
+header is passed through: the backends check API keys. Each answer names its replica in the
+``x-pagedllm-replica`` header.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedllm.entrypoints.router.metrics import CONTENT_TYPE, merge_backend_metrics, router_metrics
+from pagedllm.entrypoints.router.replicas import POLICIES, Choice, ReplicaSet
+
+logger = logging.getLogger(__name__)
+
+_FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id", "x-request-timeout", "accept")
+_FORWARD_RESPONSE_HEADERS = ("retry-after", "x-request-id")
+_RETRY_CODES = {"loading", "shutting_down", "engine_dead"}  # a 503 the request never reached an engine for
+
+
+@dataclass(frozen=True)
+class RouterArgs:
+    backends: tuple[str, ...]
+    model: Optional[str] = None  # tokenizer directory (the served model's); None: no prefix routing
+    tokenizer: Optional[str] = None  # overrides model for the tokenizer files
+    served_model_names: tuple[str, ...] = ()  # base-model names (requests naming others are keyed apart)
+    block_size: int = 16  # must equal the replicas' --block-size
+    policy: str = "prefix"
+    index_capacity_blocks: int = 1 << 16  # per replica; set near the replicas' KV cache block count
+    max_load_imbalance: int = 8
+    min_prefix_ratio: float = 0.5
+    health_interval_s: float = 2.0
+    retry_min_s: float = 1.0
+    retry_max_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    max_request_body_size: int = 64 << 20
+    chat_template: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.backends:
+            raise ValueError("router: --backends needs at least one URL")
+        if self.policy not in POLICIES:
+            raise ValueError(f"router: --routing must be one of {POLICIES}, got {self.policy!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"router: --block-size must be a power of two, got {self.block_size}")
+        if self.index_capacity_blocks < 1:
+            raise ValueError(f"router: --index-capacity-blocks must be >= 1, got {self.index_capacity_blocks}")
+        if self.health_interval_s <= 0 or self.retry_min_s <= 0 or self.retry_max_s < self.retry_min_s:
+            raise ValueError("router: need health_interval_s > 0 and 0 < retry_min_s <= retry_max_s")
+
+
+def _error(status: int, message: str, code: str, replica: Optional[int] = None) -> JSONResponse:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    headers = {"x-pagedllm-replica": str(replica)} if replica is not None else None
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def _error_event(message: str, code: str) -> bytes:
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+
+
+class RouterState:
+    def __init__(self, args: RouterArgs, hasher=None) -> None:
+        self.args = args
+        self.replicas = ReplicaSet(args.backends, args.policy, args.index_capacity_blocks, args.max_load_imbalance,
+                                   args.retry_min_s, args.retry_max_s, args.min_prefix_ratio)
+        self.hasher = hasher if hasher is not None else self._load_hasher()
+        self.client = None  # httpx.AsyncClient, made in the app's lifespan (tests may pass a transport)
+        self.no_replica = 0
+        self.proxy_errors = 0
+
+    def _load_hasher(self):
+        if self.args.model is None and self.args.tokenizer is None or self.args.policy == "round_robin":
+            return None
+        from pagedllm.entrypoints.router.prompt_hashes import PromptHasher
+        from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+        template = None
+        if self.args.chat_template is not None:
+            from pagedllm.tokenizer.chat_template import load_chat_template
+
+            template = load_chat_template(self.args.chat_template)
+        names = set(self.args.served_model_names)
+        if self.args.model:
+            names |= {self.args.model, self.args.model.rstrip("/").rsplit("/", 1)[-1]}
+        return PromptHasher(load_tokenizer(self.args.tokenizer or self.args.model), self.args.block_size, names,
+                            template)
+
+    # ---- health -------------------------------------------------------------------------------
+    async def check(self, replica) -> None:
+        import httpx
+
+        try:
+            resp = await self.client.get(f"{replica.url}/health", timeout=self.args.connect_timeout_s)
+        except httpx.HTTPError as e:
+            self._down(replica, f"/health: {type(e).__name__}: {e}")
+            return
+        if resp.status_code == 200:
+            if not replica.healthy:
+                logger.info("replica %d (%s) is up", replica.id, replica.url)
+            self.replicas.mark_up(replica)
+        else:
+            self._down(replica, f"/health answered {resp.status_code}")
+
+    def _down(self, replica, why: str) -> None:
+        if replica.healthy:
+            logger.warning("replica %d (%s) taken out: %s", replica.id, replica.url, why)
+        self.replicas.mark_down(replica, why)
+
+    async def poll_health(self) -> None:
+        while True:
+            due = self.replicas.due_for_check()
+            if due:
+                await asyncio.gather(*(self.check(r) for r in due))
+            await asyncio.sleep(min(self.args.health_interval_s, self.args.retry_min_s))
+
+    # ---- proxying -----------------------------------------------------------------------------
+    async def proxy(self, raw: Request, path: str, body: bytes, hashes: list[bytes]) -> Response:
+        import httpx
+
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
+        tried = []
+        while True:
+            choice: Optional[Choice] = self.replicas.choose(hashes, exclude=tried)
+            if choice is None:
+                self.no_replica += 1
+                detail = "; ".join(f"replica {r.id}: {r.last_error}" for r in tried) or "none is healthy"
+                return _error(503, f"no replica could take the request ({detail}); retry later", "no_replica")
+            replica = choice.replica
+            try:
+                req = self.client.build_request(raw.method, replica.url + path, content=body, headers=headers,
+                                                params=raw.query_params)
+                resp = await self.client.send(req, stream=True)
+            except httpx.TransportError as e:  # it never answered: safe to try the next replica
+                self.replicas.finish(replica)
+                self._down(replica, f"{type(e).__name__}: {e}")
+                tried.append(replica)
+                continue
+            if resp.status_code == 503:
+                data = await resp.aread()
+                await resp.aclose()
+                code = _error_code(data)
+                if code in _RETRY_CODES:
+                    self.replicas.finish(replica)
+                    self._down(replica, f"answered 503 {code}")
+                    tried.append(replica)
+                    continue
+                self.replicas.finish(replica)
+                return self._response(resp, data, replica.id)
+            return await self._relay(resp, replica)
+
+    @staticmethod
+    def _response(resp, data: bytes, replica_id: int) -> Response:
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in _FORWARD_RESPONSE_HEADERS}
+        headers["x-pagedllm-replica"] = str(replica_id)
+        return Response(content=data, status_code=resp.status_code, headers=headers,
+                        media_type=resp.headers.get("content-type"))
+
+    async def _relay(self, resp, replica) -> Response:
+        import httpx
+
+        if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as e:
+                self.proxy_errors += 1
+                self._down(replica, f"{type(e).__name__} mid-answer: {e}")
+                return _error(502, f"replica {replica.id} failed while answering: {e}", "replica_failed", replica.id)
+            finally:
+                await resp.aclose()
+                self.replicas.finish(replica)
+            return self._response(resp, data, replica.id)
+
+        async def chunks():
+            try:
+                async for chunk in resp.aiter_raw():
+                    yield chunk
+            except httpx.HTTPError as e:
+                self.proxy_errors += 1
+                self._down(replica, f"{type(e).__name__} mid-stream: {e}")
+                yield _error_event(f"replica {replica.id} failed mid-stream: {e}", "replica_failed")
+            finally:
+                await resp.aclose()
+                self.replicas.finish(replica)
+
+        headers = {k: v for k, v in resp.headers.items() if k.lower() in _FORWARD_RESPONSE_HEADERS}
+        headers["x-pagedllm-replica"] = str(replica.id)
+        return StreamingResponse(chunks(), status_code=resp.status_code, headers=headers,
+                                 media_type=resp.headers.get("content-type"))
+
+    async def gather_metrics(self) -> str:
+        async def one(r) -> Optional[str]:
+            if not r.healthy:
+                return None
+            try:
+                resp = await self.client.get(f"{r.url}/metrics", timeout=self.args.connect_timeout_s)
+                return resp.text if resp.status_code == 200 else None
+            except Exception:
+                return None
+
+        texts = await asyncio.gather(*(one(r) for r in self.replicas.replicas))
+        return merge_backend_metrics(texts) + router_metrics(self.replicas.replicas, self.no_replica,
+                                                             self.proxy_errors)
+
+
+def _error_code(data: bytes) -> Optional[str]:
+    try:
+        return json.loads(data)["error"]["code"]
+    except Exception:
+        return None
+
+
+def build_router_app(args: RouterArgs, hasher=None, transport=None) -> FastAPI:
+    """``hasher``/``transport``: a PromptHasher and an httpx transport to use instead of loading
+    the tokenizer and opening sockets (tests)."""
+    state = RouterState(args, hasher)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        import httpx
+
+        timeout = httpx.Timeout(connect=args.connect_timeout_s, read=None, write=60.0, pool=None)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        state.client = httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport)
+        await asyncio.gather(*(state.check(r) for r in state.replicas.replicas))
+        poller = asyncio.create_task(state.poll_health())
+        try:
+            yield
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+            await state.client.aclose()
+
+    app = FastAPI(title="pagedllm router", lifespan=lifespan)
+    app.state.router = state
+
+    async def routed(raw: Request, path: str) -> Response:
+        body = await raw.body()
+        if len(body) > args.max_request_body_size:
+            return _error(413, f"the request body is larger than {args.max_request_body_size} bytes",
+                          "request_too_large")
+        hashes: list[bytes] = []
+        if state.hasher is not None and state.replicas.policy != "round_robin":
+            try:
+                parsed: Any = json.loads(body)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                hashes = await asyncio.to_thread(state.hasher.block_hashes, path, parsed)
+        return await state.proxy(raw, path, body, hashes)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request):
+        return await routed(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request):
+        return await routed(raw, "/v1/chat/completions")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        return await state.proxy(raw, "/tokenize", await raw.body(), [])
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        return await state.proxy(raw, "/detokenize", await raw.body(), [])
+
+    @app.get("/v1/models")
+    async def models(raw: Request):
+        return await state.proxy(raw, "/v1/models", b"", [])
+
+    @app.get("/health")
+    async def health():
+        up = state.replicas.healthy()
+        if up:
+            return Response(status_code=200)
+        return _error(503, "no replica is healthy: " + "; ".join(f"replica {r.id} ({r.url}): {r.last_error}"
+                                                                 for r in state.replicas.replicas), "no_replica")
+
+    @app.get("/version")
+    async def version():
+        from pagedllm.version import __version__
+
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(content=await state.gather_metrics(), media_type=CONTENT_TYPE)
+
+    return app

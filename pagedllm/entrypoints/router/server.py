@@ -1,0 +1,74 @@
+"""Running the router: ``pagedllm router --backends URL...`` (its flags and the uvicorn server)."""
+from __future__ import annotations
+
+import argparse
+from typing import Optional
+
+from pagedllm.entrypoints.router.replicas import POLICIES
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """Routing flags shared by ``pagedllm router`` and ``pagedllm serve --data-parallel-size``."""
+    g = parser.add_argument_group("router")
+    g.add_argument("--routing", default="prefix", choices=POLICIES,
+                   help="prefix: the replica holding the longest cached prefix of the prompt, else the least "
+                        "loaded; least_loaded; round_robin (default prefix)")
+    g.add_argument("--router-index-blocks", type=int, default=1 << 16,
+                   help="block hashes remembered per replica (LRU); about the replicas' KV cache block count")
+    g.add_argument("--router-max-load-imbalance", type=int, default=8,
+                   help="a prefix owner with this many more requests in flight than the least loaded replica "
+                        "is passed over (default 8)")
+    g.add_argument("--router-min-prefix-ratio", type=float, default=0.5,
+                   help="route by cached prefix only when it covers at least this fraction of the prompt's "
+                        "blocks (a chat template's shared first block should not decide); default 0.5")
+    g.add_argument("--router-health-interval", type=float, default=2.0,
+                   help="seconds between /health polls of each replica (default 2)")
+    g.add_argument("--router-retry-max", type=float, default=30.0,
+                   help="longest wait before a replica taken out is checked again (backoff doubles from 1 s)")
+
+
+def add_router_parser(sub) -> None:
+    p = sub.add_parser("router", help="route OpenAI requests across pagedllm servers by cached prefix")
+    p.add_argument("--backends", nargs="+", required=True, metavar="URL",
+                   help="the replicas' base URLs (http://host:port)")
+    p.add_argument("--model", default=None,
+                   help="the served model's directory, for its tokenizer and chat template (without it: "
+                        "routing by load only)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    p.add_argument("--served-model-name", nargs="*", default=None, help="the replicas' served model name(s)")
+    p.add_argument("--block-size", type=int, default=16, help="the replicas' --block-size (default 16)")
+    p.add_argument("--chat-template", default=None, help="the replicas' --chat-template, if they use one")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_router_args(p)
+
+
+def router_args_from(args: argparse.Namespace, backends, model: Optional[str], tokenizer: Optional[str],
+                     served_model_names, block_size: int, chat_template: Optional[str]):
+    from pagedllm.entrypoints.router.app import RouterArgs
+
+    return RouterArgs(
+        backends=tuple(backends), model=model, tokenizer=tokenizer, served_model_names=tuple(served_model_names or ()),
+        block_size=block_size, policy=args.routing, index_capacity_blocks=args.router_index_blocks,
+        max_load_imbalance=args.router_max_load_imbalance, min_prefix_ratio=args.router_min_prefix_ratio, health_interval_s=args.router_health_interval,
+        retry_max_s=args.router_retry_max, chat_template=chat_template, host=args.host, port=args.port,
+        log_level=args.log_level,
+    )
+
+
+def serve_router(rargs) -> int:
+    import uvicorn
+
+    from pagedllm.entrypoints.router.app import build_router_app
+
+    app = build_router_app(rargs)
+    uvicorn.run(app, host=rargs.host, port=rargs.port, log_level=rargs.log_level, timeout_keep_alive=5,
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+def run_router_command(args: argparse.Namespace) -> int:
+    rargs = router_args_from(args, args.backends, args.model, args.tokenizer, args.served_model_name,
+                             args.block_size, args.chat_template)
+    return serve_router(rargs)

@@ -1,0 +1,102 @@
+"""``pagedllm serve --data-parallel-size 2`` end to end: two real tiny replicas (child servers)
+behind the router. A shared-prefix workload sends each prefix group to one replica, so the
+engines' prefix caches hit; killing one replica leaves the service answering."""
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from fake_backends import free_port
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                                reason="needs 2 CPU cores (one per replica)")
+
+
+def children(pid: int) -> dict[int, int]:
+    """{port: pid} of the replica servers the launcher started."""
+    out = {}
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        for child in f.read().split():
+            with open(f"/proc/{child}/cmdline", "rb") as c:
+                argv = c.read().split(b"\0")
+            out[int(argv[argv.index(b"--port") + 1])] = int(child)
+    return out
+
+
+def metric(text: str, name: str, replica: int) -> float:
+    m = re.search(rf'^{re.escape(name)}{{replica="{replica}"[^}}]*}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def dp_server(llama_ckpt):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_ckpt, "--data-parallel-size", "2",
+         "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-model-len", "256",
+         "--router-health-interval", "0.2", "--log-level", "warning", "--no-cpu-kernels"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            metrics = httpx.get(f"{url}/metrics", timeout=2).text
+            if metrics.count("replica_up{") == 2 and ' 0\n' not in "".join(
+                    line + "\n" for line in metrics.splitlines() if "replica_up{" in line):
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"the data-parallel server did not start: {proc.stderr.read()[-3000:]}")
+        time.sleep(0.3)
+    yield proc, url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_prefix_groups_share_one_replica_cache_then_survive_a_dead_replica(dp_server):
+    proc, url = dp_server
+    assert httpx.get(f"{url}/v1/models").json()["data"]
+    rng = random.Random(5)  # the test tokenizer knows the words w0..w508
+    groups = [" ".join(f"w{rng.randrange(509)}" for _ in range(48)) for _ in range(4)]
+    where = {g: set() for g in range(4)}
+    with httpx.Client(timeout=60) as client:
+        for q in range(3):
+            for g, prefix in enumerate(groups):
+                r = client.post(f"{url}/v1/completions", json={"prompt": prefix + f" w{q} w{q + 7}", "max_tokens": 2,
+                                                               "temperature": 0})
+                assert r.status_code == 200, r.text
+                where[g].add(r.headers["x-pagedllm-replica"])
+        chat = client.post(f"{url}/v1/chat/completions",
+                           json={"messages": [{"role": "user", "content": groups[0]}], "max_tokens": 2})
+        assert chat.status_code == 200
+    assert all(len(w) == 1 for w in where.values()), where
+    assert {next(iter(w)) for w in where.values()} == {"0", "1"}
+    text = httpx.get(f"{url}/metrics").text
+    hits = sum(metric(text, "pagedllm:prefix_cache_hits_total", i) for i in (0, 1))
+    queries = sum(metric(text, "pagedllm:prefix_cache_queries_total", i) for i in (0, 1))
+    assert queries > 0 and hits / queries > 0.5  # rounds 2 and 3 find their group's prefix cached
+    assert sum(metric(text, "pagedllm_router:prefix_routed_requests_total", i) for i in (0, 1)) >= 8
+
+    # kill replica 0's server: every request is still answered (by replica 1)
+    kids = children(proc.pid)
+    assert len(kids) == 2
+    port0 = int(re.search(r'replica="0",url="http://127.0.0.1:(\d+)"', text).group(1))
+    os.kill(kids[port0], signal.SIGKILL)
+    with httpx.Client(timeout=60) as client:
+        for g, prefix in enumerate(groups):
+            r = client.post(f"{url}/v1/completions", json={"prompt": prefix + " w1 w2 w3", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pagedllm-replica"] == "1"
+    assert httpx.get(f"{url}/health").status_code == 200
