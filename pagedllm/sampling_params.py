@@ -2,9 +2,50 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 _GREEDY_EPS = 1e-5
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint (vLLM's shape): ``json`` (a JSON schema, as a dict or its JSON
+    text), ``regex``, ``choice`` (a list of strings), ``grammar`` (EBNF/GBNF text) or
+    ``json_object=True`` (any JSON object). Exactly one is set; the shape is checked here and
+    the constraint itself (does the schema/regex/grammar compile?) by the engine when the
+    request is added (structured_output/)."""
+
+    json: Optional[Union[str, dict[str, Any]]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        set_ = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_CONSTRAINTS)}, got "
+                             f"{', '.join(set_) if set_ else 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got "
+                             f"{type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
 
 
 @dataclass
@@ -29,6 +70,10 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # An output constraint (JSON schema, regex, choice, grammar, JSON object); ``guided_decoding``
+    # is accepted as its older name.
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)
     # Filled in by the engine: all stop token ids including EOS (unless ignore_eos).
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -44,6 +89,15 @@ class SamplingParams:
             self.top_k = 0
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs is not self.guided_decoding:
+                raise ValueError("structured_outputs and guided_decoding (its older name) are both set: pass one")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}")
         self._validate()
         self._all_stop_token_ids = set(self.stop_token_ids)
 

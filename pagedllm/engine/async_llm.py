@@ -79,9 +79,10 @@ class AsyncLLM:
         return self._num_pending
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None
+        self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None, lora_request=None
     ) -> AsyncIterator[RequestOutput]:
-        """Yields delta RequestOutputs; the last one has ``finished=True``."""
+        """Yields delta RequestOutputs; the last one has ``finished=True``. ``lora_request``: the
+        LoRA adapter to run with (None: the base model)."""
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
         if params.n > self.config.max_n:
@@ -96,13 +97,14 @@ class AsyncLLM:
                 f"{params.n}; the limit is max_num_seqs + max_waiting_requests = {capacity}; retry later"
             )
         self.engine.input_processor.process(prompt)  # raises ValueError on bad input, here and now
+        self.engine.resolve_lora(lora_request)  # likewise a bad adapter (known ones are a dict lookup)
         request_id = request_id or f"req-{time.monotonic_ns()}-{id(prompt)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._count(request_id, params.n)
-        self._commands.put(("add", request_id, prompt, params, time.monotonic()))
+        self._commands.put(("add", request_id, prompt, params, time.monotonic(), lora_request))
         self._wakeup.set()
         finished = False
         try:
@@ -148,13 +150,14 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, arrival = cmd
+                _, rid, prompt, params, arrival, lora_request = cmd
                 stream = self._streams.get(rid)
                 if stream is None:
                     self._release(rid)
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(rid, prompt, params, output_kind=OUTPUT_DELTA, arrival_time=arrival)
+                    self.engine.add_request(rid, prompt, params, output_kind=OUTPUT_DELTA, arrival_time=arrival,
+                                            lora_request=lora_request)
                 except Exception as e:  # e.g. duplicate id: fail this request only
                     self._streams.pop(rid, None)
                     self._release(rid)

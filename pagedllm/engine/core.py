@@ -44,6 +44,7 @@ class EngineCore:
             **_spec_limits(config),
         )
         self.scheduler = Scheduler(limits, self.kv_cache_manager)
+        self.structured = None  # StructuredOutputs, set by the LLMEngine (it needs the tokenizer)
 
     def _make_executor(self) -> Executor:
         args = (self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
@@ -65,25 +66,47 @@ class EngineCore:
                 f"prompt is {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}: "
                 "there is no room to generate a token"
             )
+        if request.sampling_params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+            if getattr(self.config, "speculative_config", None) is not None:  # the mask covers one token a step
+                raise ValueError("structured_outputs cannot be combined with speculative decoding on this engine yet")
+            self.structured.add(request)  # compiled off the step loop; scheduled once compiled
+            return
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[str]:
-        return self.scheduler.finish_requests(request_ids, status)
+        request_ids = list(request_ids)
+        compiling = self.structured.abort(request_ids) if self.structured is not None else []
+        return compiling + self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.structured is not None and self.structured.compiling)
+
+    def _execute(self, so):
+        grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
+        if grammar is None:
+            return self.executor.execute(so)
+        return self.executor.execute(so, grammar=grammar)
+
+    def _update(self, so, runner_output) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(so, runner_output)
+        return self.structured.after_update(outputs, self.scheduler) if self.structured is not None else outputs
 
     def step(self) -> list[EngineCoreOutput]:
+        admitted: list[EngineCoreOutput] = []
+        if self.structured is not None and self.structured.compiling:
+            admitted = self.structured.admit(self.scheduler, idle=not self.scheduler.has_unfinished_requests())
         scheduler_output = self.scheduler.schedule()
         try:
-            runner_output = self.executor.execute(scheduler_output)
+            runner_output = self._execute(scheduler_output)
         except Exception:
             if self.executor.is_dead:  # e.g. a tensor-parallel rank is gone: nothing to save
                 raise
             logger.exception("step failed (%d requests); isolating the request that caused it",
                              len(scheduler_output.num_scheduled_tokens))
-            return self._isolate(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+            return admitted + self._isolate(scheduler_output)
+        return admitted + self._update(scheduler_output, runner_output)
 
     def _isolate(self, failed) -> list[EngineCoreOutput]:
         """A step raised: one request's input is the likely cause, so only it should fail. Its
@@ -91,7 +114,8 @@ class EngineCore:
         halves, recursively: a half that runs goes on as usual, a lone request that still fails
         finishes with "error". At most 2 x log2(batch) extra steps, only after a failure."""
         if len(failed.num_scheduled_tokens) <= 1:
-            return self.scheduler.fail_step(failed)
+            outputs = self.scheduler.fail_step(failed)
+            return self.structured.after_update(outputs, self.scheduler) if self.structured is not None else outputs
         ids = self.scheduler.rewind(failed)
         half = len(ids) // 2
         outputs: list[EngineCoreOutput] = []
@@ -100,13 +124,13 @@ class EngineCore:
             if not so.num_scheduled_tokens:
                 continue
             try:
-                runner_output = self.executor.execute(so)
+                runner_output = self._execute(so)
             except Exception:
                 if self.executor.is_dead:
                     raise
                 outputs.extend(self._isolate(so))
                 continue
-            outputs.extend(self.scheduler.update_from_output(so, runner_output))
+            outputs.extend(self._update(so, runner_output))
         return outputs
 
     def get_stats(self) -> SchedulerStats:
@@ -116,4 +140,6 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self.structured is not None:
+            self.structured.manager.shutdown()
         self.executor.shutdown()

@@ -19,8 +19,10 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.models.config_json import load_generation_defaults, load_hf_config
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
+from pagedllm.engine.structured_outputs import StructuredOutputs
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer.detokenizer import IncrementalDetokenizer
 from pagedllm.tokenizer.tokenizer import load_tokenizer
 
@@ -74,6 +76,9 @@ class LLMEngine:
         self.hf_config = hf_config
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = _eos_ids(config.model, hf_config, self.tokenizer)
+        if self.tokenizer is not None:  # constrained decoding (xgrammar is imported on first use)
+            self.core.structured = StructuredOutputs(
+                StructuredOutputManager(self.tokenizer, hf_config.vocab_size, self.eos_token_ids))
         self.lora_registry = None  # the adapters this engine knows (enable_lora)
         if config.enable_lora:
             from pagedllm.lora.registry import LoRARegistry
@@ -173,6 +178,15 @@ class LLMEngine:
                              f"{self.core.num_blocks}: lower beam_width or max_tokens")
         self.core.add_request(self.beams.make_request(request_id, text, ids, params, max_tokens, arrival_time))
         return request_id
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` now (cached for the request that follows):
+        ValueError naming the field when it does not compile or xgrammar is missing."""
+        if params.structured_outputs is None:
+            return
+        if self.core.structured is None:
+            raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+        self.core.structured.manager.validate(params.structured_outputs)
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests (their blocks are freed at once). Returns each aborted request's final

@@ -111,6 +111,8 @@ class LLM:
                 engine.input_processor.process(item)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        for sp in dict.fromkeys(map(id, params)):  # a bad schema/regex/grammar: ValueError before anything runs
+            engine.check_structured_outputs(next(p for p in params if id(p) == sp))
         ids = []
         try:
             for item, sp, lr in zip(items, params, loras):

@@ -34,8 +34,9 @@ class Executor(Protocol):
         then fails instead of failing only the step's requests."""
         ...
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every rank; the result is the driver rank's (with its logprobs)."""
+    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        """Run one step on every rank; the result is the driver rank's (with its logprobs).
+        ``grammar``: the step's structured-output bitmasks (a StepGrammar), for the sampling rank."""
         ...
 
     def shutdown(self) -> None:

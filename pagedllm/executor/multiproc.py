@@ -161,7 +161,7 @@ class MultiprocExecutor:
                 self._dead = True
                 raise RuntimeError(f"tensor-parallel worker rank {r} died (exit code {p.exitcode})")
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         import torch.distributed as dist
 
         if self._dead:
@@ -169,7 +169,7 @@ class MultiprocExecutor:
         self._check_alive()
         try:
             dist.broadcast_object_list([scheduler_output], src=0, group=self.group.cpu_group)
-            return self.worker.execute(scheduler_output)
+            return self.worker.execute(scheduler_output, grammar)  # rank 0 samples: the masks stay here
         except Exception as e:
             self._dead = True
             alive = [p.is_alive() for p in self.procs]

@@ -28,8 +28,8 @@ class UniprocExecutor:
     def num_forward_tokens(self) -> int:
         return self.worker.runner.num_forward_tokens
 
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute(scheduler_output)
+    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        return self.worker.execute(scheduler_output, grammar)
 
     @property
     def weight_bytes_per_rank(self) -> list[int]:

@@ -57,6 +57,8 @@ class PrometheusMetrics:
         self.step_time = hist(f"{prefix}:engine_step_seconds", "Duration of one engine step.", _TPOT_BUCKETS)
         self._lock = threading.Lock()
         self._last = None  # previous SchedulerStats, for counter deltas
+        self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
+        self._spec_prefix = prefix
 
     # ---- feeding ----------------------------------------------------------------------------
     def attach(self, engine) -> None:
@@ -96,6 +98,12 @@ class PrometheusMetrics:
                 self.prefix_hits.inc(stats.prefix_cache_hits)
                 self.preemptions.inc(stats.num_preemptions)
                 self.steps.inc(stats.num_steps)
+            if self._spec is None and stats.spec_num_drafts:
+                from pagedllm.metrics.spec_decode import SpecDecodeMetrics
+
+                self._spec = SpecDecodeMetrics(self.registry, self._spec_prefix, self._model_name)
+            if self._spec is not None:
+                self._spec.update(stats, last)
             self._last = stats
 
     def on_step(self, stats, seconds: float) -> None:
@@ -145,4 +153,9 @@ def format_log_line(stats, tokens_per_s: Optional[float] = None) -> str:
         f"prefix cache hit rate: {100 * stats.prefix_cache_hits / max(1, stats.prefix_cache_queries):.1f}%",
         f"preemptions: {stats.num_preemptions}",
     ]
+    from pagedllm.metrics.spec_decode import spec_decode_summary
+
+    spec = spec_decode_summary(stats)
+    if spec:
+        parts.append(spec)
     return ", ".join(parts)

@@ -41,6 +41,9 @@ class SamplingMetadata:
     seen_output_counts: Optional[torch.Tensor]  # float [S]
     max_num_logprobs: Optional[int]  # None: no request wants logprobs
     top_k_max: Optional[int] = None  # max of top_k (host side): below the vocab size, no full sort
+    # structured outputs: the rows with an allowed-token bitmask (ascending) and their bitmasks
+    mask_rows: Optional[torch.Tensor] = None  # long [M]
+    mask_bits: Optional[torch.Tensor] = None  # int32 [M, ceil(vocab / 32)] (xgrammar's layout)
 
 
 class SamplingRowState(Protocol):

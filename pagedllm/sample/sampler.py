@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.sample.logits_mask import apply_token_bitmask
 from pagedllm.sample.metadata import SamplingMetadata
 
 
@@ -59,7 +60,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _has_constraints(md: SamplingMetadata) -> bool:
-    return md.bias_rows is not None or md.ban_rows is not None or md.seen_rows is not None
+    return (md.bias_rows is not None or md.ban_rows is not None or md.seen_rows is not None
+            or md.mask_rows is not None)
 
 
 class Sampler:
@@ -101,6 +103,8 @@ class Sampler:
             logits[rows, cols] = vals
         if md.ban_rows is not None:
             logits.index_put_((md.ban_rows, md.ban_cols), torch.tensor(float("-inf"), device=logits.device))
+        if md.mask_rows is not None:  # structured outputs: tokens the grammar forbids
+            apply_token_bitmask(logits, md.mask_rows, md.mask_bits)
         return logits
 
     def _uniforms(self, n: int, md: SamplingMetadata, device: torch.device) -> torch.Tensor:

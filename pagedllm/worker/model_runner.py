@@ -53,7 +53,8 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+        """``grammar``: the structured-output bitmasks of the step (a StepGrammar; rank 0 only)."""
         self._apply_diffs(so)
         if so.block_copies:  # beam search copy-on-write, before any K/V is written
             copy_blocks(layer_cache_planes(self.model.attention_layers()), so.block_copies)
@@ -68,7 +69,7 @@ class ModelRunner:
             lists, logprobs, num_drafts = self.spec.verify(self, inputs, hidden, drafts, draft_probs)
             return ModelRunnerOutput(inputs.req_ids, lists, logprobs, prompt_logprobs, num_draft_tokens=num_drafts,
                                      beam_candidates=beams)
-        sampled, logprobs = self._sample(inputs, hidden)
+        sampled, logprobs = self._sample(inputs, hidden, grammar)
         sampled_lists = self._update_states(inputs, sampled)
         return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs, beam_candidates=beams)
 
@@ -171,7 +172,7 @@ class ModelRunner:
         return hidden
 
     # ---- 4. sample -------------------------------------------------------------------------
-    def _sample(self, inputs: StepInputs, hidden: torch.Tensor) -> tuple[list[int], dict[str, Logprobs]]:
+    def _sample(self, inputs: StepInputs, hidden: torch.Tensor, grammar=None) -> tuple[list[int], dict[str, Logprobs]]:
         """(sampled id per sampling row, logprobs by request id). Rank 0 samples; with tensor
         parallelism it broadcasts the ids, and the logprobs stay empty on the other ranks."""
         rows = inputs.sample_rows
@@ -181,7 +182,10 @@ class ModelRunner:
         sample_states = [inputs.states[i] for i in rows]
         out: Optional[SamplerOutput] = None
         if self.is_sampler:
-            out = self.sampler(logits, build_sampling_metadata(sample_states, self.vocab_size, self.device))
+            md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
+            if grammar is not None:
+                self._attach_grammar(md, sample_states, grammar)
+            out = self.sampler(logits, md)
             ids = out.sampled
         else:
             ids = torch.empty(len(rows), dtype=torch.long)
@@ -198,6 +202,13 @@ class ModelRunner:
             if k is not None:
                 logprobs[st.req_id] = Logprobs([ids_l[j][: 1 + k]], [vals_l[j][: 1 + k]], [ranks_l[j]])
         return sampled, logprobs
+
+    def _attach_grammar(self, md, sample_states, grammar) -> None:
+        """The bitmask rows of the constrained sampling rows, in row order (one gather)."""
+        pairs = [(j, grammar.rows[st.req_id]) for j, st in enumerate(sample_states) if st.req_id in grammar.rows]
+        if pairs:
+            md.mask_rows = torch.tensor([j for j, _ in pairs], dtype=torch.long, device=self.device)
+            md.mask_bits = grammar.bitmask[torch.tensor([r for _, r in pairs], dtype=torch.long)].to(self.device)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, Logprobs]:
         """Logprobs of prompt tokens 1..P-1 covered by this step's chunk (position p predicts p+1).

@@ -270,5 +270,5 @@ class Worker:
                             "MHA would cache %d bytes: %.1fx more)", spec.bytes_per_token, equivalent,
                             equivalent / spec.bytes_per_token)
 
-    def execute(self, scheduler_output):
-        return self.runner.execute(scheduler_output)
+    def execute(self, scheduler_output, grammar=None):
+        return self.runner.execute(scheduler_output, grammar)

@@ -37,6 +37,8 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest, TokenizeResponse, VersionResponse,
 )
 from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingOptions, ShuttingDown, internal_error
+from pagedllm.entrypoints.openai import lora_modules
+from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.middleware import AuthMiddleware, RequestGuard, error_response, h11_protocol, json_response
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
 from pagedllm.version import __version__
@@ -87,6 +89,7 @@ class ServerState:
         self.started = time.monotonic()
         self.ready_seconds: Optional[float] = None
         if self.engine is not None:
+            lora_modules.register_lora_modules(self.engine, self.args.lora_modules, self.served_model_names)
             self._ready(self.engine)
 
     def start_loading(self) -> None:
@@ -100,6 +103,11 @@ class ServerState:
             from pagedllm.engine.llm_engine import LLMEngine
 
             engine = AsyncLLM(self.config, LLMEngine(self.config, skip_tokenizer_init=self.skip_tokenizer_init))
+            try:  # --lora-modules: a bad adapter stops the start with its reason
+                lora_modules.register_lora_modules(engine, self.args.lora_modules, self.served_model_names)
+            except BaseException:
+                engine.shutdown()
+                raise
         except BaseException as e:
             # One line an operator can act on; the traceback only with --log-level debug.
             detail = str(e) if isinstance(e, (ValueError, OSError)) and str(e) else f"{type(e).__name__}: {e}"
@@ -327,7 +335,18 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     async def models():
         max_len = state.engine.max_model_len if state.serving is not None else None
         return json_response(ModelList(data=[ModelCard(id=n, root=state.model_path, max_model_len=max_len)
-                                     for n in state.served_model_names]))
+                                     for n in state.served_model_names]
+                                    + lora_modules.lora_model_cards(state.serving, max_len)))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        text = await lora_modules.load_lora_adapter(state.require(), req, state.args.allow_runtime_lora_updating)
+        return Response(content=text, media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        text = await lora_modules.unload_lora_adapter(state.require(), req, state.args.allow_runtime_lora_updating)
+        return Response(content=text, media_type="text/plain")
 
     @app.get("/health")
     async def health():
@@ -379,6 +398,8 @@ class ServerArgs:
     http_read_timeout: float = 30.0  # seconds to receive a request's headers, and between body chunks
     request_timeout: Optional[float] = None  # default per-request deadline in seconds (None: none)
     metrics_prefix: str = "pagedllm"  # metric names are PREFIX:name ("vllm" for vLLM's dashboards)
+    lora_modules: tuple[str, ...] = ()  # LoRA adapters served from the start: name=path or JSON objects
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -389,6 +410,7 @@ class ServerArgs:
                 raise ValueError(f"{name} must be > 0 seconds, got {value}")
         if self.max_request_body_size is not None and self.max_request_body_size < 1024:
             raise ValueError(f"max_request_body_size must be >= 1024 bytes, got {self.max_request_body_size}")
+        lora_modules.parse_lora_modules(self.lora_modules)  # malformed entries fail at start-up
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(f"metrics_prefix must be a metric name prefix such as pagedllm or vllm, "
                              f"got {self.metrics_prefix!r}")

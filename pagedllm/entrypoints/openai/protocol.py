@@ -251,6 +251,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagedllm"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 
@@ -281,6 +282,16 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+class LoadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    lora_name: str = Field(min_length=1)
+    lora_path: Optional[str] = None  # accepted (vLLM's body) and not needed: the name identifies it
 
 
 class VersionResponse(BaseModel):

@@ -118,8 +118,9 @@ class StreamSet:
     ``close()`` aborts the engine requests)."""
 
     def __init__(self, engine, items: list[tuple[Any, SamplingParams, str]], timeout: Optional[float] = None,
-                 live: Optional[set] = None) -> None:
+                 live: Optional[set] = None, lora_request=None) -> None:
         self._engine, self._items = engine, items
+        self._lora = {"lora_request": lora_request} if lora_request is not None else {}  # the request's adapter
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._errors: list[BaseException] = []
@@ -134,7 +135,8 @@ class StreamSet:
 
     async def start(self) -> "StreamSet":
         for i, (prompt, params, rid) in enumerate(self._items):
-            self._tasks.append(asyncio.create_task(self._pump(i, self._engine.generate(prompt, params, rid))))
+            self._tasks.append(asyncio.create_task(self._pump(i, self._engine.generate(prompt, params, rid,
+                                                                                      **self._lora))))
         # One loop turn runs each generate() up to its first wait: admission errors show up now.
         await asyncio.sleep(0)
         if self._errors:
@@ -210,10 +212,17 @@ class OpenAIServing:
         self.default_sampling_params: dict[str, Any] = dict(getattr(engine, "default_sampling_params", None) or {})
         self.served_model_names = list(served_model_names)
         self._accepted = set(served_model_names) | {model_path, model_path.rstrip("/").rsplit("/", 1)[-1]}
+        self.loras = getattr(getattr(engine, "engine", None), "lora_registry", None)  # LoRA adapters by name
 
     # ---- shared -----------------------------------------------------------------------------
+    def lora_for(self, name: Optional[str]):
+        """The LoRARequest a request's ``model`` names (None: the base model)."""
+        if not name or self.loras is None or name in self._accepted:
+            return None
+        return self.loras.get(name)
+
     def check_model(self, name: Optional[str]) -> str:
-        if name and name not in self._accepted:
+        if name and name not in self._accepted and self.lora_for(name) is None:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return name or self.served_model_names[0]
 
@@ -279,9 +288,9 @@ class OpenAIServing:
         header (``timeout``), else the server's default."""
         return req.timeout or timeout or self.options.request_timeout
 
-    async def _start(self, items, timeout: Optional[float] = None) -> StreamSet:
+    async def _start(self, items, timeout: Optional[float] = None, model: Optional[str] = None) -> StreamSet:
         try:
-            return await StreamSet(self.engine, items, timeout, self.live_streams).start()
+            return await StreamSet(self.engine, items, timeout, self.live_streams, self.lora_for(model)).start()
         except Exception as e:
             raise to_api_error(e) from None
 
@@ -333,7 +342,7 @@ class OpenAIServing:
             prompts[i] = (text, ids)
             params = self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, prompt_n)
             items.append(({"prompt_token_ids": ids, "prompt": text}, params, f"{rid}-{i}"))
-        streams = await self._start(items, self._timeout(req, timeout))
+        streams = await self._start(items, self._timeout(req, timeout), model)
         if req.stream:
             return streams, self._completion_stream(req, streams, rid, model, prompts)
         return await self._completion_full(req, streams, rid, model, prompts)
@@ -494,7 +503,7 @@ class OpenAIServing:
         params = self.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       req.prompt_logprobs, aliases=aliases)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start([({"prompt_token_ids": ids}, params, rid)], self._timeout(req, timeout))
+        streams = await self._start([({"prompt_token_ids": ids}, params, rid)], self._timeout(req, timeout), model)
         if req.stream:
             return streams, self._chat_stream(req, streams, rid, model, len(ids))
         return await self._chat_full(req, streams, rid, model, len(ids))

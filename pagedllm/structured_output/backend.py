@@ -1,0 +1,143 @@
+"""The grammar backend: xgrammar, over our tokenizer, with a compile cache.
+
+``GrammarBackend`` turns a StructuredOutputsParams into an xgrammar CompiledGrammar, keyed by
+the constraint's text (``spec_key``) so one schema sent by a thousand requests is compiled
+once. The tokenizer info (each token's bytes, the vocabulary type, the stop tokens) is built
+once, for the model's logits width: ids the tokenizer does not know (a vocabulary padded to a
+multiple of 64, say) are never allowed by a mask.
+
+JSON grammars allow no free whitespace (``any_whitespace=False``, json.dumps' separators), so a
+schema whose strings and arrays are bounded is always finished within a computable number of
+tokens. Compile errors become ValueErrors naming the field (``structured_outputs.json`` ...).
+
+xgrammar is an optional dependency (the ``structured`` extra): it is imported on first use, and
+its absence is a clear error naming the extra, never an import failure at start-up.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import Any, Optional
+
+from pagedllm.sampling_params import StructuredOutputsParams
+
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.cc:\d+: (Check failed: \(.*?\) is false: )?")
+_CACHE_ENTRIES = 512
+_THREADED_WORK = 16 * 128_000  # rows x vocabulary above which the bitmask fill uses two threads
+
+
+def import_xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ValueError("structured outputs (and tool calling with tool_choice 'required' or a named function) need "
+                         "xgrammar: install pagedllm with the 'structured' extra (pip install 'pagedllm[structured]')"
+                         ) from e
+    return xgrammar
+
+
+def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
+    """The compile cache key: the constraint's kind and its canonical text."""
+    kind = spec.kind
+    if kind == "json":
+        value = spec.json
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(value, (dict, bool)):
+            raise ValueError("structured_outputs.json must be a JSON schema object")
+        return kind, json.dumps(value, sort_keys=True, ensure_ascii=False)
+    if kind == "choice":
+        return kind, json.dumps(spec.choice, ensure_ascii=False)
+    if kind == "json_object":
+        return kind, ""
+    return kind, getattr(spec, kind)
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    """EBNF ``root ::= "a" | "b"`` with each choice as an escaped literal (JSON's escapes are
+    the EBNF parser's: \\", \\\\, \\n, \\uXXXX)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
+
+
+def _clean(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return _CPP_PREFIX.sub("", lines[0] if lines else type(e).__name__)
+
+
+class GrammarBackend:
+    """Compiles constraints for one tokenizer and logits width (thread-safe; cached)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.xgr = import_xgrammar()
+        self.vocab_size = vocab_size
+        self.tokenizer_info = self._tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.compiler = self.xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self.num_compiles = 0
+        self._batch = None
+
+    def _tokenizer_info(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        xgr = self.xgr
+        backend = getattr(tokenizer, "_tokenizer", None)  # the light tokenizer's ``tokenizers`` object
+        if backend is not None and not hasattr(tokenizer, "backend_tokenizer"):
+            from transformers import PreTrainedTokenizerFast  # xgrammar imports transformers already
+
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+        stops = list(stop_token_ids) or None
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """The CompiledGrammar of ``spec`` (from the cache when seen before); ValueError naming
+        the field when the constraint does not compile."""
+        key = spec_key(spec)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiled = self._compile(key)
+        with self._lock:
+            self._cache[key] = compiled
+            self.num_compiles += 1
+            while len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, key: tuple[str, str]):
+        kind, text = key
+        c = self.compiler
+        try:
+            if kind == "json":
+                return c.compile_json_schema(text, any_whitespace=False)
+            if kind == "json_object":  # any object; strict_mode off so it may hold any properties
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            if kind == "regex":
+                return c.compile_regex(text)
+            if kind == "choice":
+                return c.compile_grammar(_choice_grammar(json.loads(text)))
+            return c.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar (EBNF)",
+                    "choice": "choice list", "json_object": "JSON object grammar"}[kind]
+            raise ValueError(f"structured_outputs.{kind}: the {what} could not be compiled: {_clean(e)}") from None
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def allocate_bitmask(self, rows: int):
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def batch_fill(self, matchers: list, bitmask, indices: Optional[list[int]] = None) -> None:
+        """One call fills every constrained row's allowed-token bits. Small batches on one thread:
+        handing 64 rows of a 2k vocabulary to two threads cost 0.35 ms against 0.02 ms on one
+        (and far more on a loaded machine); large batches of large vocabularies gain from two."""
+        if self._batch is None:
+            self._batch = (self.xgr.BatchGrammarMatcher(max_threads=1), self.xgr.BatchGrammarMatcher(max_threads=2))
+        many = len(matchers) * self.vocab_size >= _THREADED_WORK
+        self._batch[many].batch_fill_next_token_bitmask(matchers, bitmask, indices)

@@ -1,0 +1,125 @@
+"""StructuredOutputManager: the engine's side of constrained decoding.
+
+Lifecycle of a constrained request (driven by engine/core.py):
+ 1. ``submit``: its constraint is compiled on a background thread (cached by the constraint's
+    text); the request waits outside the scheduler while others run on. ``validate`` compiles
+    synchronously, for callers that want the error at once (LLM.generate, the server, which runs
+    it on a worker thread before answering).
+ 2. ``start``: once compiled, a GrammarMatcher is made for it (one per sequence: n > 1 fans out
+    into separate requests, each with its own).
+ 3. each step, ``step_grammar``: the allowed-token bitmask of every constrained request that
+    samples this step, filled in one batched call, handed to the runner (rank 0 applies it to
+    the logits before sampling).
+ 4. ``advance``: the matcher accepts the tokens the scheduler appended. Preemption recomputes
+    the KV cache but keeps the accepted tokens, so the matcher stays where it is; a step that
+    fails is rewound before any token is appended, so the matcher never saw it either.
+ 5. ``remove`` when the request finishes or is aborted.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.backend import GrammarBackend, import_xgrammar
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class StepGrammar:
+    """One step's masks: ``bitmask[rows[req_id]]`` is the allowed-token bitmask (int32 words,
+    xgrammar's layout) of each constrained request that samples this step."""
+
+    rows: dict[str, int]
+    bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)]
+
+
+@dataclass(frozen=True, slots=True)
+class Advance:
+    """What accepting a request's new tokens found."""
+
+    rejected: bool  # a token the grammar does not allow (the output is not valid: fail the request)
+    terminated: bool  # the grammar reached its end (the request should stop)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self._args = (tokenizer, vocab_size, list(stop_token_ids))
+        self._backend: Optional[GrammarBackend] = None
+        self._backend_lock = threading.Lock()
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self.matchers: dict[str, Any] = {}
+        self._buffer: Optional[torch.Tensor] = None
+
+    @property
+    def backend(self) -> GrammarBackend:
+        """Built on first use (importing xgrammar and reading the vocabulary take a second or two)."""
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = GrammarBackend(*self._args)
+            return self._backend
+
+    # ---- compile ----------------------------------------------------------------------------
+    def validate(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` now (cached): ValueError naming the field if it does not compile."""
+        self.backend.compile(spec)
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        import_xgrammar()  # a missing extra is the caller's error, at once
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
+        return self._pool.submit(self.backend_compile, spec)
+
+    def backend_compile(self, spec: StructuredOutputsParams):
+        return self.backend.compile(spec)
+
+    # ---- per request ------------------------------------------------------------------------
+    def start(self, req_id: str, compiled, replay: Iterable[int] = ()) -> None:
+        """A matcher for ``req_id``, advanced over tokens it already produced (``replay``)."""
+        m = self.backend.matcher(compiled)
+        for tok in replay:
+            if not m.accept_token(tok):
+                raise ValueError(f"request {req_id}: its output so far does not match its grammar")
+        self.matchers[req_id] = m
+
+    def remove(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
+
+    def step_grammar(self, sampling_req_ids: list[str]) -> Optional[StepGrammar]:
+        """The bitmask rows of the constrained requests among ``sampling_req_ids`` (the requests
+        that produce a token this step), or None when none is constrained."""
+        ids = [r for r in sampling_req_ids if r in self.matchers]
+        if not ids:
+            return None
+        backend = self.backend
+        if self._buffer is None or self._buffer.shape[0] < len(ids):
+            self._buffer = backend.allocate_bitmask(max(len(ids), 2 * (0 if self._buffer is None else self._buffer.shape[0])))
+        bitmask = self._buffer[: len(ids)]
+        backend.batch_fill([self.matchers[r] for r in ids], bitmask)
+        return StepGrammar({r: i for i, r in enumerate(ids)}, bitmask)
+
+    def advance(self, req_id: str, tokens: list[int], stop_token_ids: Iterable[int]) -> Optional[Advance]:
+        """Accept ``tokens`` (the request's new output tokens); None if it is unconstrained."""
+        m = self.matchers.get(req_id)
+        if m is None:
+            return None
+        stops = set(stop_token_ids)
+        for tok in tokens:
+            if m.is_terminated():
+                break
+            if not m.accept_token(tok):
+                if tok in stops:  # a stop token of the request's own (stop_token_ids): the scheduler stops it
+                    return Advance(False, False)
+                logger.error("request %s: token %d is not allowed by its grammar", req_id, tok)
+                return Advance(True, False)
+        return Advance(False, m.is_terminated())
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
