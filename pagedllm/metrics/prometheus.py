@@ -8,6 +8,7 @@ latency histograms). prometheus_client's metrics are thread-safe.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -57,6 +58,9 @@ class PrometheusMetrics:
         self.step_time = hist(f"{prefix}:engine_step_seconds", "Duration of one engine step.", _TPOT_BUCKETS)
         self._lock = threading.Lock()
         self._last = None  # previous SchedulerStats, for counter deltas
+        self._prefix = prefix
+        self._lora_info = None  # vLLM's lora_requests_info, when the engine serves LoRA adapters
+        self._lora_labels = None
         self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
         self._spec_prefix = prefix
 
@@ -78,6 +82,15 @@ class PrometheusMetrics:
 
         engine.on_step = on_step if prev_step is not None else self.on_step
         engine.on_finished = on_finished if prev_finished is not None else self.on_finished
+        config = getattr(engine, "config", None)
+        if getattr(config, "enable_lora", False) and self._lora_info is None:
+            from prometheus_client import Gauge
+
+            self._lora_info = Gauge(f"{self._prefix}:lora_requests_info", "Running stats on LoRA requests: the "
+                                    "adapters of running and waiting requests (comma-separated); the value is the "
+                                    "time of the last change.", ["max_lora", "waiting_lora_adapters",
+                                                                 "running_lora_adapters"], registry=self.registry)
+            self._max_lora = str(config.max_loras)
         self.update_stats(engine.stats)
 
     def update_stats(self, stats) -> None:
@@ -87,6 +100,12 @@ class PrometheusMetrics:
             self.num_running.set(stats.num_running)
             self.num_waiting.set(stats.num_waiting)
             self.kv_usage.set(stats.kv_cache_usage)
+            if self._lora_info is not None:
+                labels = (self._max_lora, ",".join(stats.waiting_loras), ",".join(stats.running_loras))
+                if labels != self._lora_labels:  # one series: the current adapters
+                    self._lora_info.clear()
+                    self._lora_info.labels(*labels).set(time.time())
+                    self._lora_labels = labels
             last = self._last
             if last is not None:
                 self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
