@@ -8,6 +8,8 @@ from typing import Optional
 from pagedllm import envs
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight quantization (pagedllm/quantization/): checkpoint formats, and int8/fp8 quantized at load.
+QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
 
 
 def default_model_path() -> str:
@@ -85,6 +87,7 @@ class EngineConfig:
     model: str = field(default_factory=default_model_path)
     tokenizer: Optional[str] = None
     dtype: str = "auto"
+    quantization: Optional[str] = None  # None: from config.json quantization_config; int8/fp8 quantize at load
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
@@ -121,6 +124,12 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None:
+            q = self.quantization.lower().replace("_", "-")
+            if q not in QUANTIZATION_METHODS:
+                raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} (or None: detected from "
+                                 f"config.json), got {self.quantization!r}")
+            object.__setattr__(self, "quantization", q)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

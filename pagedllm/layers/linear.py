@@ -5,6 +5,7 @@ slice of a checkpoint tensor in place, so the loader never needs to know the lay
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -12,6 +13,25 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_gemm import linear
+
+
+_WEIGHTS_ON_META = False  # while a quantized model is built (layers/quantized.py): no dense weight memory
+
+
+@contextlib.contextmanager
+def linear_weights_on_meta(enabled: bool = True):
+    """Build linear layers with their dense ``weight`` on the meta device (no memory): a quantization
+    pass then gives each layer its method's parameters, or a real dense weight where it stays dense."""
+    global _WEIGHTS_ON_META
+    prev, _WEIGHTS_ON_META = _WEIGHTS_ON_META, enabled
+    try:
+        yield
+    finally:
+        _WEIGHTS_ON_META = prev
+
+
+def _dense_weight(out_features: int, in_features: int) -> torch.Tensor:
+    return torch.empty(out_features, in_features, device="meta" if _WEIGHTS_ON_META else None)
 
 
 def _attach(param: nn.Parameter, loader) -> nn.Parameter:
@@ -34,15 +54,18 @@ def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
 
 class ReplicatedLinear(nn.Module):
     packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
+    quant_method = None  # set by layers/quantized.py: the layer's weight is quantized, its method multiplies
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = _attach(nn.Parameter(torch.empty(out_features, in_features), requires_grad=False), default_weight_loader)
+        self.weight = _attach(nn.Parameter(_dense_weight(out_features, in_features), requires_grad=False), default_weight_loader)
         self.bias = (
             _attach(nn.Parameter(torch.empty(out_features), requires_grad=False), default_weight_loader) if bias else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -54,6 +77,7 @@ class ColumnParallelLinear(nn.Module):
     """
 
     packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
+    quant_method = None  # set by layers/quantized.py: the layer's weight is quantized, its method multiplies
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -64,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
                 raise ValueError(f"output size {s} is not divisible by tensor parallel size {self.tp_size}")
         self.output_sizes = [s // self.tp_size for s in output_sizes]
         out_local = sum(self.output_sizes)
-        self.weight = _attach(nn.Parameter(torch.empty(out_local, in_features), requires_grad=False), self.weight_loader)
+        self.weight = _attach(nn.Parameter(_dense_weight(out_local, in_features), requires_grad=False), self.weight_loader)
         self.bias = (
             _attach(nn.Parameter(torch.empty(out_local), requires_grad=False), self.weight_loader) if bias else None
         )
@@ -82,6 +106,8 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -126,6 +152,7 @@ class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial products summed with one all-reduce."""
 
     packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
+    quant_method = None  # set by layers/quantized.py: the layer's weight is quantized, its method multiplies
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -134,7 +161,7 @@ class RowParallelLinear(nn.Module):
         if in_features % tp.world_size:
             raise ValueError(f"input size {in_features} is not divisible by tensor parallel size {tp.world_size}")
         self.in_local = in_features // tp.world_size
-        self.weight = _attach(nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False), self.weight_loader)
+        self.weight = _attach(nn.Parameter(_dense_weight(out_features, self.in_local), requires_grad=False), self.weight_loader)
         self.bias = (
             _attach(nn.Parameter(torch.empty(out_features), requires_grad=False), default_weight_loader) if bias else None
         )
@@ -144,7 +171,7 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = self.quant_method.apply(self, x, None) if self.quant_method is not None else linear(x, self.weight)
         y = self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias

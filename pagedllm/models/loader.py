@@ -64,6 +64,18 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, SliceSource]]:
                 yield name, SliceSource(f.get_slice(name))
 
 
+def checkpoint_target(name: str, mapping: dict, name_target=None) -> tuple[str, object]:
+    """A checkpoint tensor's name -> (our parameter's name, shard id or None): the family's own
+    ``remap_checkpoint_name`` first, else the fused ``packed_modules_mapping``."""
+    mapped = name_target(name) if name_target is not None else None
+    if mapped is not None:
+        return mapped
+    for frag, (fused, sid) in mapping.items():
+        if f".{frag}." in name:
+            return name.replace(f".{frag}.", f".{fused}."), sid
+    return name, None
+
+
 def load_weights(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     mapping: dict = getattr(model, "packed_modules_mapping", {})
@@ -77,16 +89,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     for name, tensor in rewrite(weights) if rewrite is not None else weights:
         if "rotary_emb.inv_freq" in name:
             continue
-        shard_id = None
-        target = name
-        mapped = name_target(name) if name_target is not None else None
-        if mapped is not None:
-            target, shard_id = mapped
-        for frag, (fused, sid) in (mapping.items() if mapped is None else ()):
-            if f".{frag}." in name:
-                target = name.replace(f".{frag}.", f".{fused}.")
-                shard_id = sid
-                break
+        target, shard_id = checkpoint_target(name, mapping, name_target)
         if target.startswith("lm_head."):
             saw_lm_head = True
         param = params.get(target)

@@ -10,6 +10,9 @@ from pagedllm import envs
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig, fit_max_model_len
 from pagedllm.models.loader import load_weights
+from pagedllm.layers.linear import linear_weights_on_meta
+from pagedllm.models.quantized import finish_quantized_layers, quantize_linear_layers
+from pagedllm.quantization.registry import resolve_quantization
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
@@ -97,11 +100,15 @@ class Worker:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            quant = resolve_quantization(config.model, config.quantization)
+            with torch.device(self.device), linear_weights_on_meta(quant is not None):
                 self.model = model_cls(hf_config)
+            with torch.device(self.device):
+                quantize_linear_layers(self.model, quant)  # quantized layers never get a dense weight
         finally:
             torch.set_default_dtype(prev)
         load_weights(self.model, config.model)
+        finish_quantized_layers(self.model)
         self.model.eval()
         if self.device.type == "cpu":
             from pagedllm.kernels import cpu as cpu_kernels
