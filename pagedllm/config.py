@@ -10,6 +10,8 @@ from pagedllm import envs
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight quantization (pagedllm/quantization/): checkpoint formats, and int8/fp8 quantized at load.
 QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
+# KV cache storage (attention/kv_quant.py): "fp8" is an alias of "fp8_e4m3".
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def default_model_path() -> str:
@@ -88,6 +90,7 @@ class EngineConfig:
     tokenizer: Optional[str] = None
     dtype: str = "auto"
     quantization: Optional[str] = None  # None: from config.json quantization_config; int8/fp8 quantize at load
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3 (alias fp8), fp8_e5m2, int8
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
@@ -101,6 +104,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # only 1: pipeline parallelism is not implemented (refused with the alternatives)
+    distributed_executor_backend: Optional[str] = None  # "mp" (processes on this machine; default) or "ray"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (no effect on CPU)
     served_model_name: Optional[str] = None
     max_waiting_requests: Optional[int] = None  # sequences waiting beyond max_num_seqs; default 4 x max_num_seqs
@@ -130,6 +135,10 @@ class EngineConfig:
                 raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} (or None: detected from "
                                  f"config.json), got {self.quantization!r}")
             object.__setattr__(self, "quantization", q)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3")  # one canonical name downstream
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -148,6 +157,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported (only 1): split a "
+                             "model with tensor_parallel_size (over nodes with distributed_executor_backend='ray'), "
+                             "or add replicas with pagedllm serve --data-parallel-size")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ValueError("distributed_executor_backend must be 'mp' (processes on this machine) or 'ray' (Ray "
+                             f"actors across a Ray cluster), got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.cpu_threads_bind not in (None, "nobind"):
+            raise ValueError("cpu_threads_bind is for distributed_executor_backend='mp'; with 'ray' each worker runs "
+                             "cpu_threads threads on the CPUs Ray reserves for it")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.max_waiting_requests is not None and self.max_waiting_requests < 1:

@@ -175,6 +175,9 @@ class AsyncLLM:
             while not self._stop.is_set():
                 self._drain_commands()
                 if not self.engine.has_unfinished_requests():
+                    executor = self.engine.core.executor
+                    if executor.is_dead:  # e.g. a Ray worker died while idle: fail now, /health turns 503
+                        raise RuntimeError(getattr(executor, "dead_reason", None) or "the engine's workers died")
                     self.stats = self.engine.get_stats()
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()

@@ -48,6 +48,10 @@ class EngineCore:
 
     def _make_executor(self) -> Executor:
         args = (self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
+        if self.config.distributed_executor_backend == "ray":
+            from pagedllm.executor.ray_executor import RayExecutor
+
+            return RayExecutor(*args)
         if self.config.tensor_parallel_size > 1:
             from pagedllm.executor.multiproc import MultiprocExecutor
 

@@ -40,6 +40,10 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps",
     "tensor_parallel_size": "number of tensor parallel ranks",
+    "pipeline_parallel_size": "pipeline parallel stages: only 1 (not implemented; use tensor parallelism or "
+                              "--data-parallel-size)",
+    "distributed_executor_backend": "how tensor-parallel ranks run: mp (processes on this machine; default) or ray "
+                                    "(actors placed across an existing Ray cluster; pip install 'pagedllm[ray]')",
     "served_model_name": "the model name clients use (default: the model path)",
     "max_waiting_requests": "sequences (n per request) that may wait beyond the running batch; past it new requests "
                             "get 429 with Retry-After (default: 4 x max_num_seqs)",

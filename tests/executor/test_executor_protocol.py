@@ -1,4 +1,4 @@
-"""Both executors satisfy the Executor Protocol: every member it names, with the same kind
+"""Every executor satisfies the Executor Protocol: every member it names, with the same kind
 (method / readable attribute) and the same method signatures. Checked statically with inspect
 (no TP ranks spawned), and on a live UniprocExecutor with isinstance."""
 import inspect
@@ -8,6 +8,7 @@ import pytest
 from pagedllm.config import EngineConfig
 from pagedllm.executor.base import Executor
 from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 
 MEMBERS = {"num_blocks", "max_model_len", "sliding_window", "num_forward_tokens", "weight_bytes_per_rank", "is_dead", "execute", "shutdown"}
@@ -21,7 +22,7 @@ def test_protocol_names_what_the_engine_needs():
     assert protocol_members() == MEMBERS
 
 
-@pytest.mark.parametrize("cls", [UniprocExecutor, MultiprocExecutor])
+@pytest.mark.parametrize("cls", [UniprocExecutor, MultiprocExecutor, RayExecutor])
 def test_executor_class_satisfies_protocol(cls):
     for name in sorted(protocol_members()):
         want = inspect.getattr_static(Executor, name, None)
