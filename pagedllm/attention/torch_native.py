@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.attention import kv_quant
 from pagedllm.attention.backend import AttentionMetadata
 
 _MAX_DECODE_BUCKETS = 4
@@ -83,7 +84,7 @@ class _KernelPrefillPlan:
 
 class _StepPlan:
     def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int], group: int,
-                 use_kernel: bool) -> None:
+                 use_kernel: bool, quantized: bool = False) -> None:
         qsl = md.query_start_loc_cpu
         seq_lens = md.seq_lens_cpu
         qlens = np.diff(qsl)
@@ -123,7 +124,7 @@ class _StepPlan:
         for i in prefill_idx:
             s, e, L = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             q = e - s
-            from_cache = L != q
+            from_cache = L != q or quantized  # an 8-bit cache: the chunk's keys as stored, as a later hit reads them
             nb = -(-L // block_size)
             qpos = np.arange(L - q, L)[:, None]
             kpos = np.arange(nb * block_size if from_cache else q)[None, :]
@@ -151,6 +152,13 @@ class _StepPlan:
         return _DecodePlan(torch.from_numpy(md.query_start_loc_cpu[idx]).to(device), block_ids, mask, length)
 
 
+def _blocks(cache: torch.Tensor, scales: Optional[torch.Tensor], block_ids: torch.Tensor, dtype) -> torch.Tensor:
+    """The blocks ``block_ids`` of a cache plane (dequantized when the cache is 8-bit)."""
+    if scales is None:
+        return cache.index_select(0, block_ids)
+    return kv_quant.gather_dequantized(cache, scales, block_ids, dtype)
+
+
 class TorchNativeAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int],
                  logits_soft_cap: Optional[float] = None) -> None:
@@ -162,27 +170,41 @@ class TorchNativeAttention:
         self.sliding_window = sliding_window
         self.soft_cap = float(logits_soft_cap) if logits_soft_cap else 0.0
 
-    def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype, use_kernel: bool) -> _StepPlan:
+    def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype, use_kernel: bool,
+              quantized: bool) -> _StepPlan:
         # Built by the first layer of the step, reused by the others.
-        key = ("torch_native", block_size, self.sliding_window, self.group, dtype)
+        key = ("torch_native", block_size, self.sliding_window, self.group, dtype, quantized)
         plan = md.backend_cache.get(key)
         if plan is None:
-            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, use_kernel)
+            plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, use_kernel,
+                                                     quantized)
         return plan
 
-    def forward(self, query, key, value, kv_cache, md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, query, key, value, kv_cache, md: AttentionMetadata, kv_scales=None) -> torch.Tensor:
+        """``kv_scales`` [2, num_blocks, block_size, kv_heads]: the cache is 8-bit (kv_quant.py)."""
         num_tokens = md.num_actual_tokens
         block_size = kv_cache.shape[2]
         Hkv, D = self.num_kv_heads, self.head_dim
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         kernels = cpu_kernels.for_tensor(key)
-        if kernels is not None and key.stride(1) == D and value.stride(1) == D and key.stride(2) == 1 and value.stride(2) == 1:
+        rows_ok = key.stride(1) == D and value.stride(1) == D and key.stride(2) == 1 and value.stride(2) == 1
+        k_scales = v_scales = None
+        if kv_scales is not None:
+            k_scales, v_scales = kv_scales[0], kv_scales[1]
+            if kernels is not None and rows_ok:
+                kernels.write_kv_quant(k_cache, v_cache, k_scales, v_scales, key, value, md.slot_mapping)
+            else:
+                spec = kv_quant.for_storage(k_cache.dtype)
+                kv_quant.write_quantized(k_cache, k_scales, key, md.slot_mapping, spec)
+                kv_quant.write_quantized(v_cache, v_scales, value, md.slot_mapping, spec)
+        elif kernels is not None and rows_ok:
             kernels.write_kv(k_cache, v_cache, key, value, md.slot_mapping)
         else:
             k_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, key[:num_tokens])
             v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
+        scale_kw = {} if kv_scales is None else {"k_scales": k_scales, "v_scales": v_scales}
 
-        plan = self._plan(md, block_size, query.dtype, kernels is not None and D % 8 == 0)
+        plan = self._plan(md, block_size, query.dtype, kernels is not None and D % 8 == 0, kv_scales is not None)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous rows
         if plan.kernel_decode is not None:
             kd = plan.kernel_decode
@@ -193,7 +215,7 @@ class TorchNativeAttention:
             o = torch.empty_like(q) if gathered else out[kd.rows]
             kernels.paged_decode_attention(
                 o, q, k_cache, v_cache, kd.block_table, kd.seq_lens, self.scale, self.sliding_window or 0,
-                self.soft_cap,
+                self.soft_cap, **scale_kw,
             )
             if gathered:
                 out[kd.rows] = o
@@ -201,13 +223,13 @@ class TorchNativeAttention:
             kp = plan.kernel_prefill
             kernels.paged_prefill_attention(
                 out, query, k_cache, v_cache, kp.block_table, kp.q_start, kp.q_len, kp.seq_len, self.scale,
-                self.sliding_window or 0, self.soft_cap,
+                self.sliding_window or 0, self.soft_cap, **scale_kw,
             )
         for d in plan.decodes:
             B = d.rows.shape[0]
             q = query[d.rows].view(B, Hkv, self.group, D)
-            k = k_cache.index_select(0, d.block_ids).view(B, d.length, Hkv, D).transpose(1, 2)
-            v = v_cache.index_select(0, d.block_ids).view(B, d.length, Hkv, D).transpose(1, 2)
+            k = _blocks(k_cache, k_scales, d.block_ids, query.dtype).view(B, d.length, Hkv, D).transpose(1, 2)
+            v = _blocks(v_cache, v_scales, d.block_ids, query.dtype).view(B, d.length, Hkv, D).transpose(1, 2)
             # GQA without copies: a kv head's query heads form the "query length" axis.
             if self.soft_cap:
                 o = self._capped_attention(q, k, v, d.mask)
@@ -220,8 +242,8 @@ class TorchNativeAttention:
                 k = key[p.start : p.end].transpose(0, 1)  # [Hkv, n, D]
                 v = value[p.start : p.end].transpose(0, 1)
             else:
-                k = k_cache.index_select(0, p.block_ids).view(-1, Hkv, D).transpose(0, 1)
-                v = v_cache.index_select(0, p.block_ids).view(-1, Hkv, D).transpose(0, 1)
+                k = _blocks(k_cache, k_scales, p.block_ids, query.dtype).view(-1, Hkv, D).transpose(0, 1)
+                v = _blocks(v_cache, v_scales, p.block_ids, query.dtype).view(-1, Hkv, D).transpose(0, 1)
             # rows = (position, query head of this kv head): position-major so chunks are causal
             qg = query[p.start : p.end].view(n, Hkv, self.group, D).transpose(0, 1).reshape(Hkv, n * self.group, D)
             og = self._grouped_attention(qg, k, v, p.mask, p.prefix)
@@ -258,6 +280,7 @@ class TorchNativeAttention:
 
 class TorchNativeAttentionBackend:
     name = "torch_native"
+    kv_cache_dtypes = ("auto",) + kv_quant.QUANTIZED_KV_CACHE_DTYPES
 
     @staticmethod
     def make_impl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap=None) -> TorchNativeAttention:

@@ -20,10 +20,12 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap  # Gemma 2: scores -> cap * tanh(score / cap)
         self.kv_cache: Optional[torch.Tensor] = None  # bound by the worker after allocation
+        self.kv_scales: Optional[torch.Tensor] = None  # 8-bit kv_cache_dtype: [2, num_blocks, block_size, kv_heads]
         self.impl = None  # bound by the worker (backend chosen by device)
 
-    def bind(self, backend, kv_cache: torch.Tensor) -> None:
+    def bind(self, backend, kv_cache: torch.Tensor, kv_scales: Optional[torch.Tensor] = None) -> None:
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
         self.impl = backend.make_impl(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window,
                                       self.logits_soft_cap)
 
@@ -31,11 +33,8 @@ class Attention(nn.Module):
         if self.impl is None or self.kv_cache is None:
             raise RuntimeError("attention layer used before its KV cache was bound")
         T = q.shape[0]
-        out = self.impl.forward(
-            q.view(T, self.num_heads, self.head_dim),
-            k.view(T, self.num_kv_heads, self.head_dim),
-            v.view(T, self.num_kv_heads, self.head_dim),
-            self.kv_cache,
-            get_attention_metadata(),
-        )
+        args = (q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim),
+                v.view(T, self.num_kv_heads, self.head_dim), self.kv_cache, get_attention_metadata())
+        # 8-bit caches only: backends without them keep the plain signature
+        out = self.impl.forward(*args) if self.kv_scales is None else self.impl.forward(*args, kv_scales=self.kv_scales)
         return out.reshape(T, self.num_heads * self.head_dim)

@@ -16,10 +16,13 @@ def profile_peak_forward(worker, num_tokens: int) -> int:
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // spec.block_size)
     num_blocks = num_seqs * blocks_per_seq
-    tmp = torch.zeros((spec.planes, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim), dtype=spec.dtype, device=dev)
+    tmp, tmp_scales = spec.allocate(num_blocks, dev)
     layers = worker.model.attention_layers()
     for i, layer in enumerate(layers):
-        layer.bind(worker.backend, tmp[:, i])
+        if tmp_scales is None:
+            layer.bind(worker.backend, tmp[:, i])
+        else:
+            layer.bind(worker.backend, tmp[:, i], tmp_scales[:, i])
     lens = np.full(num_seqs, seq_len, dtype=np.int64)
     lens[-1] = num_tokens - seq_len * (num_seqs - 1)
     qsl = np.zeros(num_seqs + 1, dtype=np.int64)
@@ -37,6 +40,6 @@ def profile_peak_forward(worker, num_tokens: int) -> int:
         worker.model.compute_logits(hidden[-min(num_tokens, worker.config.max_num_seqs):])
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    del tmp, hidden
+    del tmp, tmp_scales, hidden
     torch.cuda.empty_cache()
     return int(peak)

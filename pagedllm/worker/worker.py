@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from pagedllm import envs
+from pagedllm.attention.kv_quant import KVQuant, SCALE_DTYPE, kv_quant
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig, fit_max_model_len
 from pagedllm.models.loader import load_weights
@@ -64,7 +66,9 @@ class KVCacheSpec:
     """Per layer ``planes`` x [num_blocks, block_size, num_kv_heads, head_dim]: 2 planes (K and V)
     for multi-head attention; 1 plane of one vector per token for multi-head latent attention
     (DeepSeek's compressed latent and rope key: num_kv_heads 1, head_dim kv_lora_rank +
-    qk_rope_head_dim)."""
+    qk_rope_head_dim). ``quant`` (kv_cache_dtype fp8/int8): the planes hold 8-bit values and a
+    bfloat16 scale per (token, kv head) beside them, [planes, layers, num_blocks, block_size,
+    num_kv_heads], counted in the bytes per token."""
 
     num_layers: int
     num_kv_heads: int
@@ -72,11 +76,32 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     planes: int = 2
+    quant: Optional[KVQuant] = None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.quant.dtype if self.quant is not None else self.dtype
 
     @property
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        elem = torch.empty((), dtype=self.storage_dtype).element_size()
+        scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if self.quant is not None else 0
+        return self.planes * self.num_layers * self.num_kv_heads * (self.head_dim * elem + scale)
+
+    def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(cache [planes, layers, num_blocks, block_size, kv_heads, head_dim], scales or None);
+        on CPU one zero-filled mapping holds both."""
+        shape = (self.planes, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        numel = self.planes * self.num_layers * num_blocks * self.block_size * self.num_kv_heads
+        if device.type != "cpu":
+            cache = torch.zeros(shape, dtype=self.storage_dtype, device=device)
+            scales = None if self.quant is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+            return cache, scales
+        buf = cpu_kv_cache_memory(num_blocks * self.bytes_per_block)
+        cache_bytes = numel * self.head_dim * torch.empty((), dtype=self.storage_dtype).element_size()
+        cache = buf[:cache_bytes].view(self.storage_dtype).view(shape)
+        scales = None if self.quant is None else buf[cache_bytes:].view(SCALE_DTYPE).view(shape[:-1])
+        return cache, scales
 
     @property
     def bytes_per_block(self) -> int:
@@ -136,17 +161,31 @@ class Worker:
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype,
-                                   getattr(a0, "kv_planes", 2))
+                                   getattr(a0, "kv_planes", 2), kv_quant(config.kv_cache_dtype))
         windows = {getattr(layer, "sliding_window", None) for layer in layers}
         # Every layer windowed alike: the scheduler frees blocks that fall out of the window.
         self.kv_sliding_window = windows.pop() if len(windows) == 1 else None
         self.backend = get_attention_backend(self.device)
+        self._check_kv_cache_dtype()
         self.num_blocks = 0
         self.activation_bytes = 0  # measured (CUDA) or estimated (CPU) peak of one step
         self.budget_note = ""  # where the KV cache budget came from, for the start-up plan
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # kv_cache_dtype fp8/int8: a scale per (token, kv head)
         self.runner: ModelRunner | None = None
         self.drafter = self._make_drafter()  # speculative decoding's draft model, if any (spec_decode/)
+
+    def _check_kv_cache_dtype(self) -> None:
+        name = self.config.kv_cache_dtype
+        if self.kv_spec.quant is None:
+            return
+        if self.kv_spec.planes != 2:
+            raise ValueError(f"kv_cache_dtype={name!r}: multi-head latent attention (DeepSeek's one-plane latent cache) "
+                             "has no 8-bit cache yet; use kv_cache_dtype='auto'")
+        supported = getattr(self.backend, "kv_cache_dtypes", ("auto",))
+        if name not in supported:
+            raise ValueError(f"kv_cache_dtype={name!r} is not supported by the {self.backend.name} attention backend "
+                             f"({self.device.type}); it supports {supported}")
 
     def _make_drafter(self):
         spec = self.config.speculative_config
@@ -231,13 +270,12 @@ class Worker:
                            self.max_model_len, fitted, num_blocks, spec.block_size)
         self.max_model_len = fitted
         self.num_blocks = num_blocks
-        shape = (spec.planes, spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if self.device.type == "cpu":
-            self.kv_cache = cpu_kv_cache_memory(num_blocks * spec.bytes_per_block).view(spec.dtype).view(shape)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=spec.dtype, device=self.device)
+        self.kv_cache, self.kv_scales = spec.allocate(num_blocks, self.device)
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.bind(self.backend, self.kv_cache[:, i])
+            if self.kv_scales is None:
+                layer.bind(self.backend, self.kv_cache[:, i])
+            else:
+                layer.bind(self.backend, self.kv_cache[:, i], self.kv_scales[:, i])
         self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed)
         self.runner.lora = self.lora
         if self.config.speculative_config is not None:  # spec_decode/: proposers and verification
@@ -270,6 +308,13 @@ class Worker:
                         spec.block_size, tokens, gib(spec.bytes_per_block // spec.block_size), self.max_model_len,
                         tokens / self.max_model_len)
             logger.info("KV cache budget: %s", self.budget_note)
+            if spec.quant is not None:
+                auto = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, self.dtype,
+                                   spec.planes)
+                logger.info("KV cache dtype %s (a bfloat16 scale per token and kv head): %d bytes per token where %s "
+                            "takes %d: %.2fx the tokens in the same memory", spec.quant.name, spec.bytes_per_token,
+                            str(self.dtype).removeprefix("torch."), auto.bytes_per_token,
+                            auto.bytes_per_token / spec.bytes_per_token)
             mha = getattr(self.model, "mha_kv_elements_per_token", None)
             if mha is not None:  # latent attention: say what the cache saves
                 equivalent = mha() * torch.empty((), dtype=spec.dtype).element_size()

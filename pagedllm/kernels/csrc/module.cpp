@@ -47,10 +47,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // soft_cap > 0: scores become soft_cap * tanh(score / soft_cap) before the softmax (Gemma 2)
   m.def("paged_decode_attention", &paged_decode_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_table"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("sliding_window"), py::arg("soft_cap") = 0.0, "paged decode attention over the KV cache blocks");
+        py::arg("sliding_window"), py::arg("soft_cap") = 0.0, py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none(), "paged decode attention over the KV cache blocks (8-bit: with row scales)");
   m.def("paged_prefill_attention", &paged_prefill_attention, py::arg("out"), py::arg("query"), py::arg("key_cache"),
         py::arg("value_cache"), py::arg("block_table"), py::arg("q_start"), py::arg("q_len"), py::arg("seq_len"),
-        py::arg("scale"), py::arg("sliding_window"), py::arg("soft_cap") = 0.0,
+        py::arg("scale"), py::arg("sliding_window"), py::arg("soft_cap") = 0.0, py::arg("k_scales") = py::none(),
+        py::arg("v_scales") = py::none(),
         "causal attention of prompt chunks over the KV cache blocks (cached prefix + the chunk)");
   m.def("packed_linear", &packed_linear, py::arg("x"), py::arg("packed"), py::arg("out_features"),
         py::arg("bias") = py::none(), "y = x w^T (+ bias) with w packed by pack_linear_weight; x's dtype out");
@@ -62,6 +64,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(x[:, :I]) * x[:, I:]");
   m.def("rotary_inplace", &rotary_inplace, "neox-style rotary embedding, in place");
   m.def("write_kv", &write_kv, "write key/value rows into their cache slots");
+  m.def("write_kv_quant", &write_kv_quant, py::arg("key_cache"), py::arg("value_cache"), py::arg("k_scales"),
+        py::arg("v_scales"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
+        "quantize key/value rows into an int8/fp8 cache, a bfloat16 scale per row and kv head");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each float32 row");
   m.def("sample_rows", &sample_rows,
         "a token per float32 row from softmax(row / temperature) by inverse CDF of one uniform (argmax at temperature 0)");

@@ -14,12 +14,15 @@ namespace ops {
 
 using at::Tensor;
 
-// attention.cpp
+// attention.cpp (k_scales/v_scales: an 8-bit cache's row scales; kv_quant.h writes it)
 void paged_decode_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table,
-                            Tensor seq_lens, double scale, int64_t sliding_window, double soft_cap);
+                            Tensor seq_lens, double scale, int64_t sliding_window, double soft_cap,
+                            std::optional<Tensor> k_scales, std::optional<Tensor> v_scales);
 void paged_prefill_attention(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table,
                              Tensor q_start, Tensor q_len, Tensor seq_len, double scale, int64_t sliding_window,
-                             double soft_cap);
+                             double soft_cap, std::optional<Tensor> k_scales, std::optional<Tensor> v_scales);
+void write_kv_quant(Tensor key_cache, Tensor value_cache, Tensor k_scales, Tensor v_scales, Tensor key, Tensor value,
+                    Tensor slot_mapping);
 
 // gemm.cpp
 Tensor packed_linear(Tensor x, Tensor packed, int64_t out_features, std::optional<Tensor> bias);

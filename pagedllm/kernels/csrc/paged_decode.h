@@ -1,4 +1,5 @@
-// Paged decode attention for CPU (float32 or bfloat16 KV cache, float32 arithmetic).
+// Paged decode attention for CPU (float32 or bfloat16 KV cache, or an 8-bit one -- int8, fp8
+// e4m3/e5m2 -- with a bfloat16 scale per token and kv head; float32 arithmetic).
 //
 // Each task (a sequence, or one kv head of it) reads its keys and values straight from the KV
 // cache blocks through the block table -- no gathered copy, no padding. With AVX2+FMA a task
@@ -14,6 +15,8 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <optional>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -53,6 +56,34 @@ inline void fill_rows(const T* cache, const Task& t, int64_t pos, int64_t count,
       if (++off == t.bs) off = 0, ++blk;
     }
     rows[i] = cur;
+  }
+}
+
+// The scale of an 8-bit cache row: position pos of kv head h (sc: [num_slots, Hkv] bfloat16).
+inline float row_scale(const c10::BFloat16* sc, const Task& t, int64_t pos, int64_t h) {
+  const int64_t Hkv = t.row_stride / t.D;
+  return static_cast<float>(sc[(static_cast<int64_t>(t.bt[pos / t.bs]) * t.bs + pos % t.bs) * Hkv + h]);
+}
+
+// 8-bit cache: the scores of its unscaled rows (or the softmax weights of its values) times each
+// position's row scale, s[r * ls + j] *= scale(t.start + j, kv head of r) for j < t.n; rows go
+// rows_per_head to a kv head from the task's first. Dequantizing this way costs one multiply per
+// (row, position) instead of one per element, and no dequantized copy of the cache is made.
+inline void apply_scales(const Task& t, const c10::BFloat16* sc, int64_t R, int64_t rows_per_head, float* s,
+                         int64_t ls) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < t.n) buf.resize(t.n);
+  const int64_t Hkv = t.row_stride / t.D;
+  for (int64_t r0 = 0, h = t.head_off / t.D; r0 < R; r0 += rows_per_head, ++h) {
+    int64_t blk = t.start / t.bs, off = t.start % t.bs;
+    for (int64_t j = 0; j < t.n; ++j) {
+      buf[j] = static_cast<float>(sc[(static_cast<int64_t>(t.bt[blk]) * t.bs + off) * Hkv + h]);
+      if (++off == t.bs) off = 0, ++blk;
+    }
+    for (int64_t r = r0; r < r0 + rows_per_head; ++r) {
+      float* sr = s + r * ls;
+      for (int64_t j = 0; j < t.n; ++j) sr[j] *= buf[j];
+    }
   }
 }
 
@@ -295,20 +326,24 @@ void value_pass(const Task& t, const T* vc, const float* s, int64_t ls, int64_t 
 // and the exponentials, vectorised over positions; (3) the weighted sum of V rows, reading each
 // V row once. Unlike an online softmax there is no per-tile rescaling chain (max, scalar exp,
 // horizontal sums) on the critical path, and the scores (heads x positions floats) stay in cache.
+// ks/vs: the row scales of an 8-bit cache (nullptr otherwise).
 template <typename T>
 void attend(const Task& t, const T* kc, const T* vc, float* acc /*[nkv * G, D]*/, float* l,
-            std::vector<float>& scores, float soft_cap) {
+            std::vector<float>& scores, float soft_cap, const c10::BFloat16* ks, const c10::BFloat16* vs) {
   const int64_t R = t.nkv * t.G, ls = (t.n + 7) / 8 * 8;
   if (static_cast<int64_t>(scores.size()) < R * ls) scores.resize(R * ls);
   std::fill(acc, acc + R * t.D, 0.0f);
   score_pass(t, kc, R, t.G, scores.data(), ls);
+  if (ks != nullptr) apply_scales(t, ks, R, t.G, scores.data(), ls);
   if (soft_cap > 0.0f) soft_cap8(scores.data(), R * ls, soft_cap);  // one extra pass, only where asked
   for (int64_t r = 0; r < R; ++r) l[r] = exp_row(scores.data() + r * ls, ls);
+  if (vs != nullptr) apply_scales(t, vs, R, t.G, scores.data(), ls);  // after the sums: weights times scales
   value_pass(t, vc, scores.data(), ls, R, t.G, acc);
 }
 #else
 template <typename T>
-void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::vector<float>& m_work, float soft_cap) {
+void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::vector<float>& m_work, float soft_cap,
+            const c10::BFloat16* ks, const c10::BFloat16* vs) {
   const int64_t R = t.nkv * t.G, G = t.G, D = t.D;
   if (static_cast<int64_t>(m_work.size()) < R) m_work.resize(R);
   float* m = m_work.data();  // online softmax: running max per head
@@ -320,33 +355,38 @@ void attend(const Task& t, const T* kc, const T* vc, float* acc, float* l, std::
     for (int64_t r = 0; r < R; ++r) {
       const int64_t hoff = (r / G) * D;
       const float* qr = t.q + r * D;
+      const int64_t h = t.head_off / D + r / G;
       float s = 0.0f;
       for (int64_t d = 0; d < D; ++d) s += qr[d] * to_float(kr[hoff + d]);
+      if (ks != nullptr) s *= row_scale(ks, t, t.start + i, h);
       if (soft_cap > 0.0f) s = soft_cap * std::tanh(s / soft_cap);
       const float m_new = std::max(m[r], s);
       const float alpha = std::exp(m[r] - m_new), w = std::exp(s - m_new);
       l[r] = l[r] * alpha + w;
       m[r] = m_new;
+      const float wv = vs != nullptr ? w * row_scale(vs, t, t.start + i, h) : w;
       float* ar = acc + r * D;
-      for (int64_t d = 0; d < D; ++d) ar[d] = ar[d] * alpha + w * to_float(vr[hoff + d]);
+      for (int64_t d = 0; d < D; ++d) ar[d] = ar[d] * alpha + wv * to_float(vr[hoff + d]);
     }
   }
 }
 #endif
 
-template <typename T>
+// Q: the query and output dtype; T: the cache's (Q, or 8-bit with the row scales ks/vs).
+template <typename Q, typename T>
 void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-         torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window, double soft_cap) {
+         torch::Tensor block_table, torch::Tensor seq_lens, double scale, int64_t sliding_window, double soft_cap,
+         const c10::BFloat16* ks, const c10::BFloat16* vs) {
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t bs = key_cache.size(1), Hkv = key_cache.size(2);
   const int64_t G = H / Hkv, max_blocks = block_table.size(1);
-  const T* q = query.data_ptr<T>();
+  const Q* q = query.data_ptr<Q>();
   const int64_t q_stride = query.stride(0);  // rows may be strided (a view into the fused qkv)
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
   const int32_t* bt = block_table.data_ptr<int32_t>();
   const int32_t* sl = seq_lens.data_ptr<int32_t>();
-  T* o = out.data_ptr<T>();
+  Q* o = out.data_ptr<Q>();
   const float fscale = static_cast<float>(scale);
 
   // Whole sequences per task when they alone keep the threads busy, else one kv head each.
@@ -361,45 +401,84 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
       const int64_t L = sl[b];
       const int64_t start = sliding_window > 0 ? std::max<int64_t>(0, L - sliding_window) : 0;
       const int64_t rows = nkv * G;
-      const T* qh = q + b * q_stride + h0 * G * D;
+      const Q* qh = q + b * q_stride + h0 * G * D;
       for (int64_t i = 0; i < rows * D; ++i) qs[i] = to_float(qh[i]) * fscale;
       const Task t{qs.data(), L - start, start, bt + b * max_blocks, bs, Hkv * D, h0 * D, nkv, G, D};
-      attend<T>(t, kc, vc, acc.data(), l.data(), work, static_cast<float>(soft_cap));
-      T* oh = o + (b * H + h0 * G) * D;
+      attend<T>(t, kc, vc, acc.data(), l.data(), work, static_cast<float>(soft_cap), ks, vs);
+      Q* oh = o + (b * H + h0 * G) * D;
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
-        for (int64_t d = 0; d < D; ++d) oh[r * D + d] = from_float<T>(acc[r * D + d] * inv);
+        for (int64_t d = 0; d < D; ++d) oh[r * D + d] = from_float<Q>(acc[r * D + d] * inv);
       }
     }
   }
 }
 
+// Checks the cache against the query (``what`` names the kernel) and returns the scale pointers:
+// nullptr for a cache of the query's dtype, else those of an 8-bit cache's [num_blocks,
+// block_size, Hkv] bfloat16 scales.
+inline std::pair<const c10::BFloat16*, const c10::BFloat16*> check_cache(
+    const char* what, const torch::Tensor& query, const torch::Tensor& out, const torch::Tensor& key_cache,
+    const torch::Tensor& value_cache, const std::optional<torch::Tensor>& k_scales,
+    const std::optional<torch::Tensor>& v_scales) {
+  const auto qt = query.scalar_type(), ct = key_cache.scalar_type();
+  TORCH_CHECK(qt == torch::kFloat32 || qt == torch::kBFloat16, what, ": float32 or bfloat16 query");
+  TORCH_CHECK(out.scalar_type() == qt && value_cache.scalar_type() == ct, what, ": query/out or key/value cache dtypes differ");
+  TORCH_CHECK(k_scales.has_value() == v_scales.has_value(), what, ": key and value scales go together");
+  if (!k_scales.has_value()) {
+    TORCH_CHECK(ct == qt, what, ": query and cache dtypes differ (an 8-bit cache needs its scales)");
+    return {nullptr, nullptr};
+  }
+  TORCH_CHECK(ct == at::kChar || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2, what,
+              ": scales are for an int8 or fp8 cache");
+  const int64_t rows = key_cache.numel() / key_cache.size(-1);
+  for (const auto* s : {&*k_scales, &*v_scales})
+    TORCH_CHECK(s->scalar_type() == at::kBFloat16 && s->is_contiguous() && s->numel() == rows, what,
+                ": contiguous bfloat16 scales [num_blocks, block_size, kv_heads] expected");
+  return {k_scales->data_ptr<c10::BFloat16>(), v_scales->data_ptr<c10::BFloat16>()};
+}
+
+// Calls f(Q{}, T{}) with the query type Q and cache type T of these tensors (checked before).
+template <typename F>
+inline void dispatch_cache(const torch::Tensor& query, const torch::Tensor& key_cache, F&& f) {
+  const bool fq = query.scalar_type() == torch::kFloat32;
+  const auto with_q = [&](auto q) {
+    switch (key_cache.scalar_type()) {
+      case at::kChar: f(q, int8_t{}); break;
+      case at::kFloat8_e4m3fn: f(q, c10::Float8_e4m3fn{}); break;
+      case at::kFloat8_e5m2: f(q, c10::Float8_e5m2{}); break;
+      default: f(q, q);
+    }
+  };
+  if (fq) with_q(float{});
+  else with_q(c10::BFloat16{});
+}
+
 }  // namespace decode
 
 inline void paged_decode_attention(torch::Tensor out,          // [B, H, D]
-                            torch::Tensor query,        // [B, H, D], same dtype as the cache; rows may be strided
-                            torch::Tensor key_cache,    // [num_blocks, block_size, Hkv, D]
+                            torch::Tensor query,        // [B, H, D] float32/bfloat16; rows may be strided
+                            torch::Tensor key_cache,    // [num_blocks, block_size, Hkv, D]: query's dtype or 8-bit
                             torch::Tensor value_cache,  // [num_blocks, block_size, Hkv, D]
                             torch::Tensor block_table,  // [B, max_blocks] int32
                             torch::Tensor seq_lens,     // [B] int32
                             double scale, int64_t sliding_window,
-                            double soft_cap) {          // > 0: scores become soft_cap * tanh(score / soft_cap)
-  const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "paged_decode_attention: float32 or bfloat16 cache");
-  TORCH_CHECK(query.scalar_type() == dtype && out.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "paged_decode_attention: query, out and cache dtypes differ");
+                            double soft_cap,            // > 0: scores become soft_cap * tanh(score / soft_cap)
+                            std::optional<torch::Tensor> k_scales = std::nullopt,   // 8-bit cache: [num_blocks,
+                            std::optional<torch::Tensor> v_scales = std::nullopt) {  // block_size, Hkv] bf16
+  const auto scales = decode::check_cache("paged_decode_attention", query, out, key_cache, value_cache, k_scales,
+                                          v_scales);
+  const c10::BFloat16 *ks = scales.first, *vs = scales.second;
   TORCH_CHECK(block_table.scalar_type() == torch::kInt32 && seq_lens.scalar_type() == torch::kInt32,
               "paged_decode_attention: int32 block table and seq lens expected");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.is_contiguous() && key_cache.is_contiguous() &&
               value_cache.is_contiguous() && block_table.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention: contiguous tensors expected");
   TORCH_CHECK(query.size(2) % 8 == 0, "paged_decode_attention: head_dim must be a multiple of 8");
-  using decode::run;
-  if (dtype == torch::kFloat32) {
-    run<float>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, soft_cap);
-  } else {
-    run<c10::BFloat16>(out, query, key_cache, value_cache, block_table, seq_lens, scale, sliding_window, soft_cap);
-  }
+  decode::dispatch_cache(query, key_cache, [&](auto q, auto c) {
+    decode::run<decltype(q), decltype(c)>(out, query, key_cache, value_cache, block_table, seq_lens, scale,
+                                          sliding_window, soft_cap, ks, vs);
+  });
 }
 
 }  // namespace pagedllm
