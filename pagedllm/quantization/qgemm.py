@@ -1,12 +1,13 @@
-"""``y = x W^T (+ bias)`` for a :class:`QuantizedWeight`, without ever holding the model dense.
+"""``y = x W^T (+ bias)`` for a quantized weight, without ever holding the model dense.
 
 ``quantized_linear`` picks, per call, the fastest path the tensors allow:
 
-- CPU tensors with the C++ kernels loaded (``kernels/cpu.py``): the fused kernels of
-  ``kernels/csrc/quant_gemm.h`` -- a weight tile is dequantized in registers and multiplied
-  (W8A16 / W4A16 / FP8 weights with bf16 or float32 activations), or for ``int8_per_token``
-  activations, int8 x int8 dot products (VNNI where the CPU has it). They read the weight in the
-  layout :func:`prepare` made once at load.
+- CPU, weight prepared by :func:`prepare` (a ``PackedQuantizedWeight``, made once at load when the
+  C++ kernels are loaded): the fused kernels of ``kernels/csrc/quant_gemm.h`` -- codes widened in
+  registers and multiplied in float32, group scales and zero points applied once per group
+  (weight-only int8 / int4 / fp8) -- or of ``quant_gemm_i8.h`` for ``int8_per_token`` activations
+  (int8 x int8 with AVX512-VNNI where the CPU has it, exact integer loops elsewhere). fp8
+  activations have no CPU arithmetic: they are rounded to fp8 (below) and multiplied as floats.
 - CUDA tensors with Triton: ``triton_qgemm.py`` (weight-only int8 / int4).
 - Anything else: :func:`torch_quantized_linear`, which dequantizes this one layer's weight in
   float32 and multiplies (the reference the kernels are tested against).
@@ -27,6 +28,9 @@ from typing import Optional
 
 import torch
 
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.quantization import packed_qweight
+from pagedllm.quantization.packed_qweight import PackedQuantizedWeight
 from pagedllm.quantization.quantized_weight import QuantizedWeight
 
 INT8_MAX = 127.0
@@ -114,6 +118,49 @@ def _int8_product(x2: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return (y * sx.double()).float()
 
 
-def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``y = x W^T (+ bias)`` with ``W = qw.dequantize()``; x [..., K] float32/bf16/fp16, ``x.dtype`` out."""
+def prepare(qw: QuantizedWeight):
+    """The weight in the layout the C++ CPU kernels multiply (a ``PackedQuantizedWeight`` that
+    replaces ``qw``: keep only the result), or ``qw`` itself where they do not apply (kernels not
+    loaded -- call this after the worker loads them --, a CUDA weight, a layout they lack)."""
+    kernels = cpu_kernels.ready()
+    if kernels is None or not packed_qweight.supports(qw):
+        return qw
+    return packed_qweight.pack(qw, kernels)
+
+
+def quantized_linear(x: torch.Tensor, qw, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y = x W^T (+ bias)`` with ``W = qw.dequantize()`` (``qw`` a ``QuantizedWeight`` or what
+    :func:`prepare` made of one); x [..., K] float32/bf16/fp16, ``x.dtype`` out."""
+    if isinstance(qw, PackedQuantizedWeight):
+        return _cpu_linear(x, qw, bias)
+    if x.is_cuda and qw.act_quant is None and qw.kind in ("int8", "int4"):
+        from pagedllm.quantization import triton_qgemm
+
+        if triton_qgemm.block_k(qw.group_size) is not None:
+            return triton_qgemm.quantized_linear(x, qw, bias)
     return torch_quantized_linear(x, qw, bias)
+
+
+def _cpu_linear(x: torch.Tensor, pw: PackedQuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    lead, k = x.shape[:-1], x.shape[-1]
+    if k != pw.in_features:
+        raise ValueError(f"quantized_linear: x has {k} features, the weight expects {pw.in_features}")
+    if x.device.type != "cpu":
+        raise ValueError(f"quantized_linear: the weight was packed for the CPU kernels, x is on {x.device}")
+    x2 = x.reshape(-1, k)
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    if pw.act_quant in ("fp8_per_token", "fp8_per_tensor"):
+        xq, sx = quantize_act_fp8(x2, per_token=pw.act_quant == "fp8_per_token")
+        x2 = xq * sx  # the fp8-rounded activations; no CPU multiplies fp8 natively
+    x2 = x2.contiguous()
+    b = None if bias is None else bias.float().contiguous()
+    if pw.int8_activations:
+        y = pw.kernels.quant_linear_i8(x2, pw.packed, pw.scales, pw.zeros, pw.colsum, pw.out_features,
+                                       pw.group_size, pw.input_perm, b)
+    else:
+        y = pw.kernels.quant_linear(x2, pw.packed, pw.kind_code, pw.scales, pw.zeros, pw.out_features, pw.group_size,
+                                    pw.input_perm, b)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
+    return y.reshape(*lead, pw.out_features)

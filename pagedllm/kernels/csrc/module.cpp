@@ -67,6 +67,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_quant", &write_kv_quant, py::arg("key_cache"), py::arg("value_cache"), py::arg("k_scales"),
         py::arg("v_scales"), py::arg("key"), py::arg("value"), py::arg("slot_mapping"),
         "quantize key/value rows into an int8/fp8 cache, a bfloat16 scale per row and kv head");
+  m.def("pack_quantized_weight", &pack_quantized_weight, py::arg("qweight"),
+        "int8/int4/fp8 codes [N, KB] (bytes) transposed into 16-row panels [ceil(N/16), KB, 16]");
+  m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("packed"), py::arg("kind"), py::arg("scales"),
+        py::arg("zeros"), py::arg("out_features"), py::arg("group_size"), py::arg("perm") = py::none(),
+        py::arg("bias") = py::none(), "y = x W^T (+ bias), W int8/int4/fp8 codes dequantized in registers");
+  m.def("quant_linear_i8", &quant_linear_i8, py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"),
+        py::arg("colsum"), py::arg("out_features"), py::arg("group_size"), py::arg("perm") = py::none(),
+        py::arg("bias") = py::none(), py::arg("vnni") = true,
+        "W8A8 y = x W^T (+ bias): per-row int8 activations, exact int32 group sums (vpdpbusd where the CPU has it)");
+  m.def("int8_dot_vnni", &int8_dot_vnni, "whether quant_linear_i8 uses AVX512-VNNI here");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each float32 row");
   m.def("sample_rows", &sample_rows,
         "a token per float32 row from softmax(row / temperature) by inverse CDF of one uniform (argmax at temperature 0)");

@@ -40,6 +40,15 @@ void argmax_rows(Tensor out, Tensor logits);
 // sampling.cpp
 void sample_rows(Tensor out, Tensor logits, Tensor temperature, Tensor uniforms);
 
+// quant_gemm.cpp (quantized weights: quant_gemm.h, quant_gemm_i8.h)
+Tensor pack_quantized_weight(Tensor qweight);
+Tensor quant_linear(Tensor x, Tensor packed, int64_t kind, Tensor scales, std::optional<Tensor> zeros,
+                    int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias);
+Tensor quant_linear_i8(Tensor x, Tensor packed, Tensor scales, std::optional<Tensor> zeros, Tensor colsum,
+                       int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias,
+                       bool vnni);
+bool int8_dot_vnni();
+
 // module.cpp: what this build was compiled for.
 const char* isa_level();
 

@@ -1,0 +1,25 @@
+// Translation unit of the quantized-weight matmuls (quant_gemm.h: weight-only int8 / int4 / fp8;
+// quant_gemm_i8.h: W8A8).
+#include "ops.h"
+#include "quant_gemm_i8.h"  // includes quant_gemm.h
+
+namespace pagedllm {
+namespace ops {
+
+Tensor pack_quantized_weight(Tensor qweight) { return pagedllm::pack_quantized_weight(qweight); }
+
+Tensor quant_linear(Tensor x, Tensor packed, int64_t kind, Tensor scales, std::optional<Tensor> zeros,
+                    int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias) {
+  return pagedllm::quant_linear(x, packed, kind, scales, zeros, out_features, group_size, perm, bias);
+}
+
+Tensor quant_linear_i8(Tensor x, Tensor packed, Tensor scales, std::optional<Tensor> zeros, Tensor colsum,
+                       int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias,
+                       bool vnni) {
+  return pagedllm::quant_linear_i8(x, packed, scales, zeros, colsum, out_features, group_size, perm, bias, vnni);
+}
+
+bool int8_dot_vnni() { return pagedllm::int8_dot_path_vnni(); }
+
+}  // namespace ops
+}  // namespace pagedllm

@@ -1,0 +1,400 @@
+// y[M, N] = x[M, K] W[N, K]^T (+ bias) with W quantized (int8, int4 or fp8 codes, float32 group
+// scales and zero points: W[n, k] = (q[n, k] - z[n, g]) s[n, g], g = k / group_size), the weight
+// never made dense: codes are widened in registers and multiplied in float32 (weight-only,
+// W8A16 / W4A16 / FP8-W), or -- quant_gemm_i8.h -- multiplied as int8 x int8 (W8A8).
+//
+// Layout, made once at load by pack_quantized_weight (quantization/qgemm.py prepare()): the
+// checkpoint's bytes transposed into 16-column panels, zero past N,
+//
+//   int8 / fp8:  [ceil(N/16), K, 16]      packed[p, k, j] = q[16p + j, k]
+//   int4:        [ceil(N/16), K/2, 16]    packed[p, i, j] = q[16p + j, 2i] | q[16p + j, 2i + 1] << 4
+//
+// so each k (int4: k pair) of a panel is one 16-byte line and a panel streams front to back.
+// Scales and zero points are panel-major float32 [ceil(N/16), G, 16]: sc = s, zp = z (fp8: 256 s
+// and z / 256, since the fp8 codes are widened through fp16 bits as value / 256; zp absent when
+// all zero points are 0).
+//
+// Per weight group the microkernel sums the products of x and the raw codes, part = x . q, and
+// then applies the group once: acc += sc (part - zp xsum), with xsum the group's sum of x. A
+// decode step (batch 1) is bound by reading the weights, so it reads 1 byte per int8/fp8 weight
+// and half a byte per int4 weight instead of bf16's 2.
+//
+// Paths, fixed by the ISA macros of vec.h: avx512 (R x NP tiles of 16-column zmm accumulators,
+// codes widened with vpmovsxbd / vpmovzxbd / vcvtph2ps), avx2 (the same with 2 ymm per panel),
+// scalar loops. Work is handed out as groups of NP panels, every row of x per group, dynamically
+// over OpenMP threads as the dense packed GEMM does.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "packed_gemm.h"
+#include "vec.h"
+
+namespace pagedllm {
+namespace qgemm {
+
+constexpr int64_t kPanel = 16;
+enum Kind : int { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
+
+// An fp8 e4m3fn byte as float, divided by 256 (what the vector paths' fp16 widening yields).
+inline float fp8_over_256(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9 - 8) : std::ldexp(1.0f + m / 8.0f, e - 7 - 8);
+  return (b & 0x80) ? -mag : mag;
+}
+
+struct Weights {  // one prepared weight (see the top of the file)
+  int kind;
+  const uint8_t* packed;
+  const float* sc;  // [P, G, 16]
+  const float* zp;  // [P, G, 16] zero points (fp8: z / 256) or null
+  int64_t N, K, gs, G;
+  int64_t panel_bytes() const { return (kind == kInt4 ? K / 2 : K) * kPanel; }
+};
+
+#ifdef PAGEDLLM_AVX512
+constexpr int kR = 4;   // rows of x per microkernel call (2 x kR x kNP accumulators)
+constexpr int kNP = 2;  // panels per call
+constexpr int kNP1 = 4; // panels per call when x has one row
+
+inline __m512 codes_i8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 codes_fp8(const uint8_t* p) {  // e4m3 -> fp16 bits (value / 256) -> float32, exact
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return _mm512_cvtph_ps(h);
+}
+
+// y[i, 0:cols] = tile rows i < R of x (row stride ldx, float32, K) times NP panels of w, group
+// by group, + bias; out float32 or bf16 (row stride ldy).
+template <int KIND, int R, int NP, typename O>
+void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float* xs, O* y, int64_t ldy,
+           const float* bias, int64_t cols) {
+  const int64_t pb = w.panel_bytes(), G = w.G;
+  const uint8_t* base = w.packed + p * pb;
+  const float* sc = w.sc + p * G * kPanel;
+  const float* zp = w.zp != nullptr ? w.zp + p * G * kPanel : nullptr;
+  __m512 acc[R][NP];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 part[R][NP];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) part[i][j] = _mm512_setzero_ps();
+    const int64_t k0 = g * w.gs, k1 = k0 + w.gs;
+    if constexpr (KIND == kInt4) {
+      for (int64_t k = k0; k < k1; k += 2) {
+        __m512 lo[NP], hi[NP];
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j) {
+          const __m512i v = _mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + j * pb + (k / 2) * kPanel)));
+          lo[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+          hi[j] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          const __m512 a0 = _mm512_set1_ps(x[i * ldx + k]), a1 = _mm512_set1_ps(x[i * ldx + k + 1]);
+#pragma GCC unroll 4
+          for (int j = 0; j < NP; ++j) part[i][j] = _mm512_fmadd_ps(a1, hi[j], _mm512_fmadd_ps(a0, lo[j], part[i][j]));
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k1; ++k) {
+        __m512 wv[NP];
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; ++j)
+          wv[j] = KIND == kInt8 ? codes_i8(base + j * pb + k * kPanel) : codes_fp8(base + j * pb + k * kPanel);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+          const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+#pragma GCC unroll 4
+          for (int j = 0; j < NP; ++j) part[i][j] = _mm512_fmadd_ps(a, wv[j], part[i][j]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      if (zp != nullptr) {
+        const __m512 z = _mm512_loadu_ps(zp + (j * G + g) * kPanel);
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) part[i][j] = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[i * G + g]), part[i][j]);
+      }
+      const __m512 s = _mm512_loadu_ps(sc + (j * G + g) * kPanel);
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(part[i][j], s, acc[i][j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const __mmask16 m = lanes16(cols - j * kPanel);
+    const __m512 b = bias != nullptr ? load16(bias + j * kPanel, m) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) store16(y + i * ldy + j * kPanel, _mm512_add_ps(acc[i][j], b), m);
+  }
+}
+#elif defined(PAGEDLLM_AVX2)
+constexpr int kR = 3;
+constexpr int kNP = 1;
+constexpr int kNP1 = 2;
+
+// 8 codes (half a panel line) as float32.
+template <int KIND>
+inline __m256 codes8(const uint8_t* p) {
+  if constexpr (KIND == kInt8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  } else {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+    return _mm256_cvtph_ps(h);
+  }
+}
+
+template <int KIND, int R, int NP, typename O>
+void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float* xs, O* y, int64_t ldy,
+           const float* bias, int64_t cols) {
+  constexpr int H = 2 * NP;  // 8-lane halves
+  const int64_t pb = w.panel_bytes(), G = w.G;
+  const uint8_t* base = w.packed + p * pb;
+  const float* sc = w.sc + p * G * kPanel;
+  const float* zp = w.zp != nullptr ? w.zp + p * G * kPanel : nullptr;
+  __m256 acc[R][H];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) acc[i][h] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 part[R][H];
+    for (int i = 0; i < R; ++i)
+      for (int h = 0; h < H; ++h) part[i][h] = _mm256_setzero_ps();
+    const int64_t k0 = g * w.gs, k1 = k0 + w.gs;
+    if constexpr (KIND == kInt4) {
+      for (int64_t k = k0; k < k1; k += 2) {
+        __m256 lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+              reinterpret_cast<const __m128i*>(base + (h / 2) * pb + (k / 2) * kPanel + (h % 2) * 8)));
+          lo[h] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+          hi[h] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        }
+        for (int i = 0; i < R; ++i) {
+          const __m256 a0 = _mm256_set1_ps(x[i * ldx + k]), a1 = _mm256_set1_ps(x[i * ldx + k + 1]);
+          for (int h = 0; h < H; ++h) part[i][h] = _mm256_fmadd_ps(a1, hi[h], _mm256_fmadd_ps(a0, lo[h], part[i][h]));
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k1; ++k) {
+        __m256 wv[H];
+        for (int h = 0; h < H; ++h) wv[h] = codes8<KIND>(base + (h / 2) * pb + k * kPanel + (h % 2) * 8);
+        for (int i = 0; i < R; ++i) {
+          const __m256 a = _mm256_set1_ps(x[i * ldx + k]);
+          for (int h = 0; h < H; ++h) part[i][h] = _mm256_fmadd_ps(a, wv[h], part[i][h]);
+        }
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const int64_t off = ((h / 2) * G + g) * kPanel + (h % 2) * 8;
+      if (zp != nullptr) {
+        const __m256 z = _mm256_loadu_ps(zp + off);
+        for (int i = 0; i < R; ++i) part[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(xs[i * G + g]), part[i][h]);
+      }
+      const __m256 s = _mm256_loadu_ps(sc + off);
+      for (int i = 0; i < R; ++i) acc[i][h] = _mm256_fmadd_ps(part[i][h], s, acc[i][h]);
+    }
+  }
+  alignas(32) float tile[8];
+  for (int i = 0; i < R; ++i)
+    for (int h = 0; h < H; ++h) {
+      _mm256_store_ps(tile, acc[i][h]);
+      for (int64_t c = 0; c < 8 && h * 8 + c < cols; ++c)
+        y[i * ldy + h * 8 + c] = from_float<O>(tile[c] + (bias != nullptr ? bias[h * 8 + c] : 0.0f));
+    }
+}
+#else
+constexpr int kR = 4;
+constexpr int kNP = 1;
+constexpr int kNP1 = 1;
+
+template <int KIND, int R, int NP, typename O>
+void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float* xs, O* y, int64_t ldy,
+           const float* bias, int64_t cols) {
+  const int64_t pb = w.panel_bytes(), G = w.G;
+  for (int64_t c = 0; c < cols; ++c) {
+    const uint8_t* col = w.packed + (p + c / kPanel) * pb + c % kPanel;
+    const float* sc = w.sc + ((p + c / kPanel) * G) * kPanel + c % kPanel;
+    const float* zp = w.zp != nullptr ? w.zp + ((p + c / kPanel) * G) * kPanel + c % kPanel : nullptr;
+    for (int i = 0; i < R; ++i) {
+      float acc = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        float part = 0.0f;
+        for (int64_t k = g * w.gs; k < (g + 1) * w.gs; ++k) {
+          float q;
+          if (KIND == kInt8) {
+            q = static_cast<float>(static_cast<int8_t>(col[k * kPanel]));
+          } else if (KIND == kInt4) {
+            const uint8_t b = col[(k / 2) * kPanel];
+            q = static_cast<float>(k % 2 ? b >> 4 : b & 0xF);
+          } else {
+            q = fp8_over_256(col[k * kPanel]);
+          }
+          part += x[i * ldx + k] * q;
+        }
+        acc += sc[g * kPanel] * (part - (zp != nullptr ? zp[g * kPanel] * xs[i * G + g] : 0.0f));
+      }
+      y[i * ldy + c] = from_float<O>(acc + (bias != nullptr ? bias[c] : 0.0f));
+    }
+  }
+}
+#endif
+
+// The whole product: tasks of np panels (every row of x, kR rows per microkernel call).
+template <int KIND, typename O>
+void run(const Weights& w, const float* x, int64_t M, const float* xs, O* y, const float* bias) {
+  const int64_t panels = (w.N + kPanel - 1) / kPanel;
+  constexpr int NPmax = kNP1 > kNP ? kNP1 : kNP;
+  const int64_t np = M == 1 ? kNP1 : kNP;
+  const int64_t tasks = (panels + np - 1) / np;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t p = t * np, n0 = p * kPanel;
+    const int64_t cols = std::min(np * kPanel, w.N - n0);
+    const int64_t q = (cols + kPanel - 1) / kPanel;  // panels this task really has
+    const float* b = bias != nullptr ? bias + n0 : nullptr;
+    for (int64_t m = 0; m < M; m += kR) {
+      const int64_t r = std::min<int64_t>(kR, M - m);
+      gemm::upto<NPmax>(q, [&](auto qq) {
+        gemm::upto<kR>(r, [&](auto rr) {
+          micro<KIND, rr.value, qq.value>(w, p, x + m * w.K, w.K, xs != nullptr ? xs + m * w.G : nullptr, y + m * w.N + n0, w.N, b, cols);
+        });
+      });
+    }
+  }
+}
+
+}  // namespace qgemm
+
+// packed[p, kk, j] = q[16 p + j, kk] for the bytes of q [N, KB] (zero past N): the panel layout
+// of every kind (int4's KB = K / 2).
+inline torch::Tensor pack_quantized_weight(torch::Tensor q) {
+  TORCH_CHECK(q.dim() == 2 && q.element_size() == 1, "pack_quantized_weight: a [N, K] tensor of bytes expected");
+  q = q.contiguous();
+  const int64_t N = q.size(0), KB = q.size(1), panels = (N + qgemm::kPanel - 1) / qgemm::kPanel;
+  auto out = torch::zeros({panels, KB, qgemm::kPanel}, q.options().dtype(at::kByte));
+  const uint8_t* src = static_cast<const uint8_t*>(q.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t j = 0; j < qgemm::kPanel && p * qgemm::kPanel + j < N; ++j) {
+      const uint8_t* row = src + (p * qgemm::kPanel + j) * KB;
+      uint8_t* d = dst + p * KB * qgemm::kPanel + j;
+      for (int64_t k = 0; k < KB; ++k) d[k * qgemm::kPanel] = row[k];
+    }
+  return out;
+}
+
+// x [M, K] float32 / bf16 as a float32 [M, K] copy in the weight's column order (perm: int64
+// [K], x[:, perm]), and its per-group sums [M, G] when the weight has zero points.
+inline std::pair<torch::Tensor, torch::Tensor> gather_input(const torch::Tensor& x, const std::optional<torch::Tensor>& perm,
+                                                          int64_t gs, bool sums) {
+  const int64_t M = x.size(0), K = x.size(1), G = K / gs;
+  const bool has_perm = perm.has_value() && perm->defined();
+  torch::Tensor xf;
+  if (!has_perm && x.scalar_type() == torch::kFloat32) {
+    xf = x;
+  } else {
+    xf = torch::empty({M, K}, x.options().dtype(torch::kFloat32));
+    const int64_t* pi = has_perm ? perm->data_ptr<int64_t>() : nullptr;
+    float* d = xf.data_ptr<float>();
+    const bool bf = x.scalar_type() == torch::kBFloat16;
+    const void* s = x.data_ptr();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t src = m * K + (pi != nullptr ? pi[k] : k);
+        d[m * K + k] = bf ? static_cast<float>(static_cast<const c10::BFloat16*>(s)[src]) : static_cast<const float*>(s)[src];
+      }
+  }
+  torch::Tensor xs;
+  if (sums) {
+    xs = torch::empty({M, G}, x.options().dtype(torch::kFloat32));
+    const float* a = xf.data_ptr<float>();
+    float* o = xs.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        float s = 0.0f;
+        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += a[m * K + k];
+        o[m * G + g] = s;
+      }
+  }
+  return {xf, xs};
+}
+
+// y = x W^T (+ bias) for a weight packed by pack_quantized_weight: kind 0 int8 / 1 int4 / 2 fp8,
+// sc / zp its panel-major scales and zero points (see the top of the file), perm the act-order column order; x
+// float32 or bf16 [M, K], y in x's dtype.
+inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, torch::Tensor sc,
+                                  std::optional<torch::Tensor> zp, int64_t N, int64_t group_size,
+                                  std::optional<torch::Tensor> perm, std::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "quant_linear: contiguous float32 or bfloat16 x [M, K] expected");
+  TORCH_CHECK(kind >= 0 && kind <= 2, "quant_linear: kind 0 (int8), 1 (int4) or 2 (fp8) expected");
+  const int64_t M = x.size(0), K = x.size(1), panels = (N + qgemm::kPanel - 1) / qgemm::kPanel;
+  TORCH_CHECK(group_size > 0 && K % group_size == 0 && (kind != qgemm::kInt4 || group_size % 2 == 0),
+              "quant_linear: group size ", group_size, " does not fit K = ", K);
+  const int64_t G = K / group_size, kb = kind == qgemm::kInt4 ? K / 2 : K;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == panels && packed.size(1) == kb && packed.size(2) == qgemm::kPanel,
+              "quant_linear: weight packed by pack_quantized_weight for this K and N expected");
+  auto check_groups = [&](const torch::Tensor& t, const char* what) {
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.dim() == 3 && t.size(0) == panels &&
+                    t.size(1) == G && t.size(2) == qgemm::kPanel,
+                "quant_linear: ", what, " must be float32 [", panels, ", ", G, ", 16]");
+  };
+  check_groups(sc, "scales");
+  const bool zeros = zp.has_value() && zp->defined();
+  if (zeros) check_groups(*zp, "zero points");
+  if (perm.has_value() && perm->defined())
+    TORCH_CHECK(perm->scalar_type() == torch::kInt64 && perm->is_contiguous() && perm->numel() == K,
+                "quant_linear: int64 permutation of K entries expected");
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "quant_linear: float32 bias of N elements expected");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto [xf, xs] = gather_input(x, perm, group_size, zeros);
+  const qgemm::Weights w{static_cast<int>(kind), packed.data_ptr<uint8_t>(), sc.data_ptr<float>(),
+                         zeros ? zp->data_ptr<float>() : nullptr, N, K, group_size, G};
+  const float* xp = xf.data_ptr<float>();
+  const float* xsp = zeros ? xs.data_ptr<float>() : nullptr;
+  auto go = [&](auto out) {
+    if (kind == qgemm::kInt8) {
+      qgemm::run<qgemm::kInt8>(w, xp, M, xsp, out, b);
+    } else if (kind == qgemm::kInt4) {
+      qgemm::run<qgemm::kInt4>(w, xp, M, xsp, out, b);
+    } else {
+      qgemm::run<qgemm::kFp8>(w, xp, M, xsp, out, b);
+    }
+  };
+  if (x.scalar_type() == torch::kBFloat16) {
+    go(y.data_ptr<c10::BFloat16>());
+  } else {
+    go(y.data_ptr<float>());
+  }
+  return y;
+}
+
+}  // namespace pagedllm
