@@ -58,11 +58,11 @@ class PrometheusMetrics:
         self.step_time = hist(f"{prefix}:engine_step_seconds", "Duration of one engine step.", _TPOT_BUCKETS)
         self._lock = threading.Lock()
         self._last = None  # previous SchedulerStats, for counter deltas
+        self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
+        self._spec_prefix = prefix
         self._prefix = prefix
         self._lora_info = None  # vLLM's lora_requests_info, when the engine serves LoRA adapters
         self._lora_labels = None
-        self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
-        self._spec_prefix = prefix
 
     # ---- feeding ----------------------------------------------------------------------------
     def attach(self, engine) -> None:
@@ -91,7 +91,25 @@ class PrometheusMetrics:
                                     "time of the last change.", ["max_lora", "waiting_lora_adapters",
                                                                  "running_lora_adapters"], registry=self.registry)
             self._max_lora = str(config.max_loras)
+        stats = getattr(engine, "stats", None)
+        if config is not None and stats is not None:
+            self.set_kv_cache_info(getattr(config, "kv_cache_dtype", "auto"), config.block_size, stats.num_total_blocks)
         self.update_stats(engine.stats)
+
+    def set_kv_cache_info(self, kv_cache_dtype: str, block_size: int, num_blocks: int) -> None:
+        """``kv_cache_capacity_tokens`` (blocks x block size) and ``cache_config_info`` (value 1; the
+        KV cache dtype, block size and block count as labels, like vLLM's)."""
+        from prometheus_client import Gauge
+
+        if getattr(self, "_kv_capacity", None) is None:
+            self._kv_capacity = Gauge(f"{self._prefix}:kv_cache_capacity_tokens", "Tokens the KV cache holds "
+                                      "(blocks x block size; 8-bit kv_cache_dtype holds ~2x).", ["model_name"],
+                                      registry=self.registry).labels(self._model_name)
+            self._kv_info = Gauge(f"{self._prefix}:cache_config_info", "KV cache configuration (value 1).",
+                                  ["model_name", "cache_dtype", "block_size", "num_blocks"], registry=self.registry)
+        self._kv_capacity.set(num_blocks * block_size)
+        self._kv_info.clear()
+        self._kv_info.labels(self._model_name, kv_cache_dtype, str(block_size), str(num_blocks)).set(1)
 
     def update_stats(self, stats) -> None:
         if stats is None:

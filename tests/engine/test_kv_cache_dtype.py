@@ -2,6 +2,7 @@
 the full-precision cache, and prefix caching / preemption exact with respect to the same 8-bit
 cache, with the C++ kernels and with the pure-torch paths."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.kv_quant import kv_quant
 from pagedllm.config import EngineConfig
+from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.worker.worker import KVCacheSpec
 
 STEPS = 8
@@ -42,6 +44,13 @@ def test_capacity_at_least_1_9x_bfloat16(make_ckpt):
             out = llm.generate(prompt_token_ids=random_prompts((30,)), sampling_params=GREEDY, use_tqdm=False)
             assert len(out[0].outputs[0].token_ids) == 12
     assert tokens["int8"] >= 1.9 * tokens["auto"] and tokens["fp8_e4m3"] >= 1.9 * tokens["auto"]
+    # /metrics: the capacity gauge and the dtype label
+    metrics = PrometheusMetrics("m")
+    engine = SimpleNamespace(on_step=None, on_finished=None, config=llm.engine.config, stats=s)
+    metrics.attach(engine)
+    text = metrics.render()[0].decode()
+    assert f'pagedllm:kv_cache_capacity_tokens{{model_name="m"}} {float(tokens["fp8_e4m3"])}' in text
+    assert 'cache_dtype="fp8_e4m3"' in text
     for hd in (64, 128):
         bf16 = KVCacheSpec(22, 4, hd, 16, torch.bfloat16)
         assert bf16.bytes_per_token / KVCacheSpec(22, 4, hd, 16, torch.bfloat16, quant=kv_quant("int8")).bytes_per_token >= 1.9
