@@ -30,7 +30,8 @@ class SpeculativeConfig:
     n-gram, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) or "draft_model" (a
     smaller ``model`` with the same vocabulary); ``num_speculative_tokens`` drafts per step,
     verified in one target forward; ``disable_by_batch_size``: no drafts in steps whose running
-    batch is at least this large."""
+    batch is at least this large; ``auto_disable``: decode plainly while the measured costs say
+    speculation loses."""
 
     method: str
     num_speculative_tokens: int = 0
@@ -38,6 +39,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0
     model: Optional[str] = None
     disable_by_batch_size: Optional[int] = None
+    auto_disable: bool = True  # decode plainly while measured step costs say speculation loses (spec_decode/governor.py)
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:

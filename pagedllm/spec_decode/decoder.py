@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.sample.rejection_sampler import RejectionSampler
+from pagedllm.spec_decode.governor import SpecGovernor
 from pagedllm.spec_decode.ngram import NgramProposer
 from pagedllm.spec_decode.verifier import verify_and_update
 
@@ -26,15 +27,20 @@ class SpecDecoder:
                       if config.method == "ngram" else None)
         self.drafter = drafter
         self.sampler = RejectionSampler(generator) if generator is not None else None
+        self.governor = SpecGovernor() if config.auto_disable else None
 
     def propose(self, runner, so) -> tuple[Optional[dict[str, list[int]]], Optional[torch.Tensor]]:
         """(drafts by request id, proposal probabilities [sum k, V] in batch order or None), or
-        (None, None) when no request has draft slots this step."""
+        (None, None) when no request has draft slots this step or the governor says speculation
+        loses (the reserved slots then stay unused: a plain decode step)."""
         gone = so.finished_req_ids | so.preempted_req_ids
         if self.ngram is not None:
             self.ngram.drop(gone)
         if self.drafter is not None:
             self.drafter.forget(gone | {nr.req_id for nr in so.scheduled_new_reqs})
+        decode_only = 0 < len(so.num_spec_slots) == len(so.num_scheduled_tokens)
+        if self.governor is not None and not self.governor.begin_step(decode_only):
+            return None, None
         if not so.num_spec_slots:
             return None, None
         if self.ngram is not None:
@@ -44,4 +50,8 @@ class SpecDecoder:
         return self.drafter.propose(runner, so)
 
     def verify(self, runner, inputs, hidden, drafts, draft_probs):
-        return verify_and_update(runner, inputs, hidden, drafts, draft_probs, self.sampler)
+        tokens, logprobs, num_drafts = verify_and_update(runner, inputs, hidden, drafts, draft_probs, self.sampler)
+        if self.governor is not None and len(inputs.sample_rows):
+            self.governor.record_tokens(sum(len(tokens[i]) for i in inputs.sample_rows.tolist())
+                                        / len(inputs.sample_rows))
+        return tokens, logprobs, num_drafts

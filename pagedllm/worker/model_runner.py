@@ -113,8 +113,9 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         n_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        if drafts is not None:
-            n_sched -= np.fromiter((so.num_spec_slots.get(r, 0) - len(drafts.get(r, ())) for r in req_ids),
+        if so.num_spec_slots:  # reserved draft slots beyond the drafts (all of them without drafts) stay unused
+            d = drafts or {}
+            n_sched -= np.fromiter((so.num_spec_slots.get(r, 0) - len(d.get(r, ())) for r in req_ids),
                                    dtype=np.int64, count=len(req_ids))
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         seq_lens = starts + n_sched

@@ -15,8 +15,8 @@ from prompts import random_prompts
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def spec(draft, k=3):
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+def spec(draft, k=3, **kw):
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **kw}
 
 
 def run(path, prompts, params=GREEDY, speculative_config=None, **kw):
@@ -98,7 +98,7 @@ def test_sampled_drafted_positions_follow_the_target(make_ckpt):
     prompt = [3, 5, 4, 6, 3, 7]
     n = 1500
     llm = LLM(model=target, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=256, seed=11,
-              speculative_config=spec(draft, 1))
+              speculative_config=spec(draft, 1, auto_disable=False))  # every token 2 drafted
     outs = llm.generate(prompt_token_ids=[prompt] * n,
                         sampling_params=SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     s = llm.get_stats()
