@@ -102,17 +102,41 @@ class OutputProcessor:
             token_stop = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
             if token_stop and not st.params.include_stop_str_in_output:
                 ids_for_text = ids_for_text[:-1]  # the stop token's text is not part of the output
-            delta = st.detok.step(ids_for_text)
-            if out.finish_reason is not None:
-                delta += st.detok.flush()
-            st.text += delta
-            if st.params.stop and not token_stop:
-                stopped_by_string = self._check_stop_strings(st, len(delta))
+            if st.params.stop and not token_stop and len(ids_for_text) > 1:
+                stopped_by_string = self._step_to_stop(st, ids_for_text, out.finish_reason is not None)
+            else:
+                delta = st.detok.step(ids_for_text)
+                if out.finish_reason is not None:
+                    delta += st.detok.flush()
+                st.text += delta
+                if st.params.stop and not token_stop:
+                    stopped_by_string = self._check_stop_strings(st, len(delta))
         if stopped_by_string:
             return st, True
         if out.finish_reason is not None:
             st.finish_reason, st.stop_reason = out.finish_reason, out.stop_reason
         return st, False
+
+    def _step_to_stop(self, st: RequestState, ids: list[int], finishing: bool) -> bool:
+        """Several tokens in one step (speculative decoding) under stop strings: detokenized one
+        at a time; the token that completes a stop string is the last one kept (later tokens and
+        their logprobs are dropped, as if they had never been generated)."""
+        for j, tok in enumerate(ids):
+            delta = st.detok.step([tok])
+            if finishing and j == len(ids) - 1:
+                delta += st.detok.flush()
+            st.text += delta
+            if self._check_stop_strings(st, len(delta)):
+                drop = len(ids) - 1 - j
+                if drop:
+                    dropped = st.token_ids[-drop:]
+                    del st.token_ids[-drop:]
+                    if st.logprobs is not None and len(st.logprobs) >= drop:
+                        for t, d in zip(dropped, st.logprobs[-drop:]):
+                            st.cumulative_logprob -= d[t].logprob
+                        del st.logprobs[-drop:]
+                return True
+        return False
 
     @staticmethod
     def _check_stop_strings(st: RequestState, new_chars: int) -> bool:

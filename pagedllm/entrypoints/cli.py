@@ -60,6 +60,10 @@ _HELP = {
                    "parallelism, or the bound CPUs' count; env PAGEDLLM_THREADS_PER_RANK)",
     "cpu_threads_bind": "bind each rank's threads to CPUs: nobind, auto (the allowed CPUs split evenly across "
                         "ranks) or explicit lists per rank such as 0-3|4-7 (env PAGEDLLM_CPU_THREADS_BIND)",
+    "speculative_config": "speculative decoding as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                          "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", "
+                          "\"model\": DIR, \"num_speculative_tokens\": 3}; optional disable_by_batch_size, "
+                          "auto_disable (default true: decode plainly while speculation measurably loses)",
     "enable_lora": "serve LoRA adapters (PEFT format) beside the base model, mixed in one batch",
     "max_loras": "LoRA adapter slots: distinct adapters that can run at once (others wait for a slot)",
     "max_lora_rank": "the largest LoRA rank accepted (slots are sized for it)",
