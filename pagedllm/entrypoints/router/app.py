@@ -102,8 +102,12 @@ class RouterState:
         names = set(self.args.served_model_names)
         if self.args.model:
             names |= {self.args.model, self.args.model.rstrip("/").rsplit("/", 1)[-1]}
-        return PromptHasher(load_tokenizer(self.args.tokenizer or self.args.model), self.args.block_size, names,
-                            template)
+        try:
+            tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
+        except ValueError as e:  # e.g. a checkpoint served with --skip-tokenizer-init
+            logger.warning("router: no tokenizer (%s); only token-id prompts are routed by prefix", e)
+            tokenizer = None
+        return PromptHasher(tokenizer, self.args.block_size, names, template)
 
     # ---- health -------------------------------------------------------------------------------
     async def check(self, replica) -> None:

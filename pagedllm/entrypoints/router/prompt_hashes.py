@@ -7,7 +7,8 @@ salt or adapter); a request naming another model (a LoRA adapter served by name)
 name, so two adapters never share index entries. The engine's own key for an adapter also hashes
 its files, which the router cannot read; the index only has to agree with itself.
 
-A request the router cannot tokenise (bad fields) gets no hashes: it is routed by load and the
+A request the router cannot tokenise (bad fields, or text without a tokenizer: the replicas run
+with --skip-tokenizer-init) gets no hashes: it is routed by load and the
 replica answers it with its own 400.
 """
 from __future__ import annotations
@@ -31,12 +32,17 @@ class PromptHasher:
         self._max_chars = max_blocks * block_size * 32  # tokens are rarely longer than 32 characters
 
     def token_ids(self, path: str, body: dict[str, Any]) -> Optional[list[int]]:
+        """The prompt's token ids, or None (not tokenisable here: no tokenizer for text, bad fields)."""
         if path.endswith("/chat/completions"):
+            if self.tokenizer is None:
+                return None
             return self._chat_ids(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch goes to one replica, chosen for its first prompt
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                return None
             return list(self.tokenizer.encode(prompt[: self._max_chars]))
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return prompt

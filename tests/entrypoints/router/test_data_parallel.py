@@ -18,6 +18,8 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.s
                                 reason="needs 2 CPU cores (one per replica)")
 
 
+CLIENT = httpx.Client(timeout=60)  # one client: a new one costs ~0.2 s on a busy machine
+
 def children(pid: int) -> dict[int, int]:
     """{port: pid} of the replica servers the launcher started."""
     out = {}
@@ -46,7 +48,7 @@ def dp_server(llama_ckpt):
     deadline = time.monotonic() + 120
     while True:
         try:
-            metrics = httpx.get(f"{url}/metrics", timeout=2).text
+            metrics = CLIENT.get(f"{url}/metrics", timeout=2).text
             if metrics.count("replica_up{") == 2 and ' 0\n' not in "".join(
                     line + "\n" for line in metrics.splitlines() if "replica_up{" in line):
                 break
@@ -67,7 +69,7 @@ def dp_server(llama_ckpt):
 
 def test_prefix_groups_share_one_replica_cache_then_survive_a_dead_replica(dp_server):
     proc, url = dp_server
-    assert httpx.get(f"{url}/v1/models").json()["data"]
+    assert CLIENT.get(f"{url}/v1/models").json()["data"]
     rng = random.Random(5)  # the test tokenizer knows the words w0..w508
     groups = [" ".join(f"w{rng.randrange(509)}" for _ in range(48)) for _ in range(4)]
     where = {g: set() for g in range(4)}
@@ -83,7 +85,7 @@ def test_prefix_groups_share_one_replica_cache_then_survive_a_dead_replica(dp_se
         assert chat.status_code == 200
     assert all(len(w) == 1 for w in where.values()), where
     assert {next(iter(w)) for w in where.values()} == {"0", "1"}
-    text = httpx.get(f"{url}/metrics").text
+    text = CLIENT.get(f"{url}/metrics").text
     hits = sum(metric(text, "pagedllm:prefix_cache_hits_total", i) for i in (0, 1))
     queries = sum(metric(text, "pagedllm:prefix_cache_queries_total", i) for i in (0, 1))
     assert queries > 0 and hits / queries > 0.5  # rounds 2 and 3 find their group's prefix cached
@@ -99,4 +101,4 @@ def test_prefix_groups_share_one_replica_cache_then_survive_a_dead_replica(dp_se
             r = client.post(f"{url}/v1/completions", json={"prompt": prefix + " w1 w2 w3", "max_tokens": 2})
             assert r.status_code == 200, r.text
             assert r.headers["x-pagedllm-replica"] == "1"
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert CLIENT.get(f"{url}/health").status_code == 200

@@ -11,6 +11,8 @@ from pagedllm.entrypoints.router.app import RouterArgs, build_router_app
 from pagedllm.entrypoints.router.prompt_hashes import PromptHasher
 
 
+CLIENT = httpx.Client(timeout=60)  # one client: a new one costs ~0.2 s on a busy machine
+
 class CharTokenizer:
     def encode(self, text):
         return [ord(c) % 512 for c in text]
@@ -51,7 +53,7 @@ def router(backends):
 
 
 def complete(url, prompt, **kw):
-    r = httpx.post(f"{url}/v1/completions", json={"model": "base", "prompt": prompt, "max_tokens": 4, **kw},
+    r = CLIENT.post(f"{url}/v1/completions", json={"model": "base", "prompt": prompt, "max_tokens": 4, **kw},
                    timeout=10)
     return r
 
@@ -97,14 +99,14 @@ def test_dead_replica_is_taken_out_and_retried(router, backends):
     for _ in range(3):  # the service keeps answering, from the other replica
         r = complete(router.url, prompt)
         assert r.status_code == 200 and int(r.headers["x-pagedllm-replica"]) == 1 - owner
-    assert httpx.get(f"{router.url}/health").status_code == 200
+    assert CLIENT.get(f"{router.url}/health").status_code == 200
     replica = router.state.replicas.replicas[owner]
     assert not replica.healthy and replica.failures >= 1
-    metrics = httpx.get(f"{router.url}/metrics").text
+    metrics = CLIENT.get(f"{router.url}/metrics").text
     assert f'pagedllm_router:replica_up{{replica="{owner}",url="{backends[owner].url}"}} 0' in metrics
     backends[owner].start()  # back on its port: the backoff retry finds it
     wait_for(lambda: replica.healthy)
-    assert httpx.get(f"{router.url}/metrics").text.count("replica_up{") == 2
+    assert CLIENT.get(f"{router.url}/metrics").text.count("replica_up{") == 2
 
 
 def test_replica_dying_mid_stream_ends_with_an_error_event(router, backends):
@@ -131,13 +133,13 @@ def test_no_healthy_replica_is_503_in_openai_shape(router, backends):
     r = complete(router.url, "anything at all")
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_replica" and r.json()["error"]["type"] == "server_error"
-    wait_for(lambda: httpx.get(f"{router.url}/health").status_code == 503)
+    wait_for(lambda: CLIENT.get(f"{router.url}/health").status_code == 503)
 
 
 def test_metrics_merge_backends_with_a_replica_label(router, backends):
     complete(router.url, "one prompt here")
     complete(router.url, "another prompt, different")
-    text = httpx.get(f"{router.url}/metrics").text
+    text = CLIENT.get(f"{router.url}/metrics").text
     assert text.count("# TYPE pagedllm:prompt_tokens counter") == 1  # one family, both replicas
     for i in (0, 1):
         assert f'pagedllm:prompt_tokens_total{{replica="{i}",model_name="base"}} 10.0' in text
@@ -150,11 +152,11 @@ def test_metrics_merge_backends_with_a_replica_label(router, backends):
 
 
 def test_api_key_and_errors_pass_through(router, backends):
-    r = httpx.post(f"{router.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-test"},
+    r = CLIENT.post(f"{router.url}/v1/chat/completions", headers={"Authorization": "Bearer sk-test"},
                    json={"model": "base", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200
     assert "Bearer sk-test" in backends[0].auth + backends[1].auth
     r = complete(router.url, "x", model="unauthorized")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
-    models = httpx.get(f"{router.url}/v1/models").json()
+    models = CLIENT.get(f"{router.url}/v1/models").json()
     assert models["data"][0]["id"] == "base"

@@ -131,3 +131,7 @@ def test_prompt_hashes_follow_the_engine_chain_and_keys():
     assert len(adapter) == 2 and adapter[0] != want[0]  # another model never shares the base's entries
     assert h.block_hashes("/v1/completions", {"prompt": {"bad": 1}}) == []
     assert h.block_hashes("/v1/chat/completions", {"messages": "nope"}) == []
+    bare = PromptHasher(None, 4, {"base"})  # replicas without a tokenizer: token ids only
+    assert bare.block_hashes("/v1/completions", {"prompt": text}) == []
+    assert bare.block_hashes("/v1/completions", {"prompt": [97, 98, 99, 100]}) == chain([97, 98, 99, 100], 4)
+    assert bare.block_hashes("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) == []
