@@ -70,6 +70,9 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Sample best_of sequences, return the n with the highest mean logprob per token (OpenAI's
+    # definition; engine/best_of.py). None: best_of = n.
+    best_of: Optional[int] = None
     # An output constraint (JSON schema, regex, choice, grammar, JSON object); ``guided_decoding``
     # is accepted as its older name.
     structured_outputs: Optional[StructuredOutputsParams] = None
@@ -114,6 +117,8 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1", self.n)
+        if self.best_of is not None and (not is_int(self.best_of) or self.best_of < self.n):
+            raise bad("best_of", f"an integer >= n ({self.n}) or None", self.best_of)
         if not is_num(self.temperature) or not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
             raise bad("temperature", "a number in [0, 100]", self.temperature)
         if not is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):

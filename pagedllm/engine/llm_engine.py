@@ -15,6 +15,7 @@ from typing import Optional
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.engine.beam_search import BeamRequests, BeamSearchParams
+from pagedllm.engine.best_of import child_params, pick_best, uses_best_of
 from pagedllm.engine.core import EngineCore
 from pagedllm.models.config_json import load_generation_defaults, load_hf_config
 from pagedllm.engine.input_processor import InputProcessor, PromptType
@@ -39,6 +40,7 @@ class _Parent:
     child_ids: list[str]
     output_kind: str
     finished_children: set[str] = field(default_factory=set)
+    best_of: Optional[SamplingParams] = None  # best_of > n: the request's params (engine/best_of.py)
 
 
 def _eos_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
@@ -76,14 +78,14 @@ class LLMEngine:
         self.hf_config = hf_config
         self.max_model_len = self.core.max_model_len
         self.eos_token_ids = _eos_ids(config.model, hf_config, self.tokenizer)
-        if self.tokenizer is not None:  # constrained decoding (xgrammar is imported on first use)
-            self.core.structured = StructuredOutputs(
-                StructuredOutputManager(self.tokenizer, hf_config.vocab_size, self.eos_token_ids))
         self.lora_registry = None  # the adapters this engine knows (enable_lora)
         if config.enable_lora:
             from pagedllm.lora.registry import LoRARegistry
 
             self.lora_registry = LoRARegistry(hf_config, config.max_lora_rank)
+        if self.tokenizer is not None:  # constrained decoding (xgrammar is imported on first use)
+            self.core.structured = StructuredOutputs(
+                StructuredOutputManager(self.tokenizer, hf_config.vocab_size, self.eos_token_ids))
         # The model's recommended sampling defaults, for requests that leave those fields unset.
         self.default_sampling_params = load_generation_defaults(config.model, config.generation_config)
         if self.default_sampling_params:
@@ -111,11 +113,13 @@ class LLMEngine:
         lora_request=None,
     ) -> str:
         if isinstance(params, BeamSearchParams):
-            return self._add_beam_search(request_id, prompt, params, arrival_time, None)
+            return self._add_beam_search(request_id, prompt, params, arrival_time, lora_request)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.n > self.config.max_n:
             raise ValueError(f"n must be at most {self.config.max_n} (max_n), got {params.n}")
+        if params.best_of is not None and params.best_of > self.config.max_n:
+            raise ValueError(f"best_of must be at most {self.config.max_n} (max_n), got {params.best_of}")
         request_id = request_id or self.new_request_id()
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -125,8 +129,11 @@ class LLMEngine:
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         params = params.clone().with_eos(self.eos_token_ids)
+        best_of = params if uses_best_of(params) else None
+        if best_of is not None:  # best_of children sampled; the n best returned when all are done
+            params = child_params(params).clone(n=best_of.best_of)
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        parent = _Parent(request_id, text, ids, child_ids, output_kind)
+        parent = _Parent(request_id, text, ids, child_ids, output_kind, best_of=best_of)
         added: list[str] = []
         try:
             for i, cid in enumerate(child_ids):
@@ -150,6 +157,15 @@ class LLMEngine:
         self.parents[request_id] = parent
         return request_id
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` now (cached for the request that follows):
+        ValueError naming the field when it does not compile or xgrammar is missing."""
+        if params.structured_outputs is None:
+            return
+        if self.core.structured is None:
+            raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+        self.core.structured.manager.validate(params.structured_outputs)
+
     def resolve_lora(self, lora_request):
         """The adapter handle of a LoRARequest (checked on first sight; ValueError if it is bad or
         the engine runs without enable_lora); None for the base model."""
@@ -166,6 +182,9 @@ class LLMEngine:
             raise ValueError(f"beam_width must be at most {self.config.max_n} (max_n), got {params.beam_width}")
         if lora_request is not None:
             raise ValueError("beam search with a LoRA adapter (lora_request) is not supported")
+        if params.beam_width > min(self.config.max_num_seqs, self.core.max_num_batched_tokens):
+            raise ValueError(f"beam_width must be at most max_num_seqs and max_num_batched_tokens (the beams run "
+                             f"as sequences of one step), got {params.beam_width}")
         request_id = request_id or self.new_request_id()
         if request_id in self.parents or request_id in self.beams:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -178,15 +197,6 @@ class LLMEngine:
                              f"{self.core.num_blocks}: lower beam_width or max_tokens")
         self.core.add_request(self.beams.make_request(request_id, text, ids, params, max_tokens, arrival_time))
         return request_id
-
-    def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile ``params.structured_outputs`` now (cached for the request that follows):
-        ValueError naming the field when it does not compile or xgrammar is missing."""
-        if params.structured_outputs is None:
-            return
-        if self.core.structured is None:
-            raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
-        self.core.structured.manager.validate(params.structured_outputs)
 
     def abort_request(self, request_ids) -> list[RequestOutput]:
         """Abort requests (their blocks are freed at once). Returns each aborted request's final
@@ -254,9 +264,11 @@ class LLMEngine:
     def _make_output(self, parent: _Parent) -> Optional[RequestOutput]:
         states = [self.output_processor.states[c] for c in parent.child_ids]
         finished = all(s.finished for s in states)
-        if parent.output_kind == OUTPUT_FINAL and not finished:
+        if (parent.output_kind == OUTPUT_FINAL or parent.best_of is not None) and not finished:
             return None
         completions = [self.output_processor.completion(s, delta=parent.output_kind == OUTPUT_DELTA) for s in states]
+        if parent.best_of is not None:
+            completions = pick_best(completions, parent.best_of)
         first = states[0]
         ro = RequestOutput(
             request_id=parent.request_id,
