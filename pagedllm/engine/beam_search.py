@@ -59,6 +59,11 @@ class BeamSearchParams:
         self.to_sampling_params()
 
     @property
+    def structured_outputs(self) -> None:
+        """Beam search takes no output constraint (the server refuses one)."""
+        return None
+
+    @property
     def n(self) -> int:
         """Sequences it runs at once (each beam counts toward max_n and admission limits)."""
         return self.beam_width

@@ -97,6 +97,10 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_token_ids: Optional[list[int]] = None
+    # beam search (vLLM's extras; entrypoints/openai/beam.py): n is the beam width
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
     # seconds until the request is aborted (default: the server's --request-timeout, if set)
     timeout: Optional[float] = Field(default=None, gt=0)
 

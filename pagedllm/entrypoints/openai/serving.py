@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
 from pagedllm.entrypoints.openai import logprobs as lp_format
+from pagedllm.entrypoints.openai.beam import beam_search_params, check_best_of
 from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
@@ -229,6 +230,9 @@ class OpenAIServing:
     def sampling_params(self, req, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int],
                         prompt_logprobs: Optional[int] = None,
                         aliases: Optional[dict[str, str]] = None) -> SamplingParams:
+        if req.use_beam_search:  # one beam group, n = beam width (entrypoints/openai/beam.py)
+            return beam_search_params(req, max_tokens, logprobs, prompt_len, self.max_model_len,
+                                      lambda msg, field: APIError(400, msg, param=(aliases or {}).get(field, field)))
         bias = None
         if req.logit_bias:
             try:
@@ -259,7 +263,7 @@ class OpenAIServing:
             include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=req.skip_special_tokens,
+            skip_special_tokens=req.skip_special_tokens, best_of=getattr(req, "best_of", None),
         )
         try:
             params = SamplingParams(**kwargs)
@@ -325,8 +329,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
+        check_best_of(req, lambda msg, field: APIError(400, msg, param=field))
         if req.echo and req.logprobs is not None and self.tokenizer is None:
             raise APIError(400, "echo with logprobs needs a tokenizer", param="echo")
         self._check_prompt_logprobs(req)
