@@ -47,12 +47,39 @@ def prompts_for(workload: str, n: int) -> list[str]:
     return [p.split("\n")[0] + "\n" for p in ps]
 
 
+def trimmed_draft(keep: int = 2) -> str:
+    """The target cut to its first ``keep`` decoder layers (embedding, final norm and tied LM
+    head kept): an untrained draft with the target's tokenizer, built once under .cache/."""
+    from common import CACHE_DIR
+
+    path = os.path.join(CACHE_DIR, f"tiny-shakespeare-trim{keep}")
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return path
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(TARGET):
+        if name != "model.safetensors" and os.path.isfile(os.path.join(TARGET, name)):
+            shutil.copy(os.path.join(TARGET, name), path)
+    weights = load_file(os.path.join(TARGET, "model.safetensors"))
+    keep_prefixes = tuple(f"model.layers.{i}." for i in range(keep))
+    kept = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or k.startswith(keep_prefixes)}
+    save_file(kept, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.load(open(os.path.join(TARGET, "config.json")))
+    cfg["num_hidden_layers"] = keep
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"), indent=2)
+    return path
+
+
 def methods(k_ngram: int, k_draft: int) -> dict:
     out = {"none": None,
            "ngram": {"method": "ngram", "num_speculative_tokens": k_ngram, "prompt_lookup_min": 2,
                      "prompt_lookup_max": 5}}
     if os.path.isfile(os.path.join(DRAFT, "config.json")):
         out["draft_model"] = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k_draft}
+    out["draft_trim2"] = {"method": "draft_model", "model": trimmed_draft(2), "num_speculative_tokens": k_draft}
     return out
 
 
@@ -63,6 +90,7 @@ class StepTimer:
         self.runner = llm.engine.core.executor.worker.runner
         self.draft_s = 0.0
         spec = self.runner.spec
+        self.governor = getattr(spec, "governor", None)
         if spec is not None:
             inner = spec.propose
 
@@ -80,6 +108,7 @@ def run_one(llm, prompts, max_tokens: int) -> dict:
     from pagedllm import SamplingParams
 
     timer = StepTimer(llm)
+    plain0 = timer.governor.num_plain_steps if timer.governor is not None else 0
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     s0 = llm.get_stats()
     t0 = time.perf_counter()
@@ -91,7 +120,7 @@ def run_one(llm, prompts, max_tokens: int) -> dict:
     proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
     accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(wall=wall, tokens=n_tok, steps=steps, step_ms=1e3 * wall / max(steps, 1),
+    return dict(plain_steps=timer.governor.num_plain_steps - plain0 if timer.governor is not None else 0, wall=wall, tokens=n_tok, steps=steps, step_ms=1e3 * wall / max(steps, 1),
                 draft_ms=1e3 * timer.draft_s / max(steps, 1), drafts=drafts, proposed=proposed, accepted=accepted,
                 outputs=[o.outputs[0].token_ids for o in outs])
 
@@ -104,7 +133,8 @@ def main() -> None:
     ap.add_argument("--k-ngram", type=int, default=4)
     ap.add_argument("--k-draft", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--methods", nargs="+", default=None, help="subset of none, ngram, draft_model")
+    ap.add_argument("--methods", nargs="+", default=None, help="subset of none, ngram, draft_model, draft_trim2")
+    ap.add_argument("--no-auto-disable", action="store_true", help="speculate in every step (no governor)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
 
@@ -112,6 +142,8 @@ def main() -> None:
 
     rows, raw = [], []
     all_methods = methods(args.k_ngram, args.k_draft)
+    if args.no_auto_disable:
+        all_methods = {m: c and {**c, "auto_disable": False} for m, c in all_methods.items()}
     chosen = {m: c for m, c in all_methods.items() if args.methods is None or m in args.methods}
     engines = {m: LLM(model=TARGET, dtype="float32", speculative_config=c, kv_cache_memory=256 << 20,
                       max_num_seqs=max(args.batches), enable_prefix_caching=False) for m, c in chosen.items()}
@@ -132,6 +164,7 @@ def main() -> None:
                            step_ms=round(r["step_ms"], 2), draft_ms=round(r["draft_ms"], 2), identical=same)
                 if r["drafts"]:
                     k = args.k_ngram if m == "ngram" else args.k_draft
+                    row["plain_steps"] = r["plain_steps"]
                     a = r["accepted"] / max(r["proposed"], 1)
                     mean_len = 1 + r["accepted"] / r["drafts"]
                     model_len = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
@@ -140,13 +173,13 @@ def main() -> None:
                 if base is not None:
                     row["speedup"] = round(tok_s / (base["tokens"] / base["wall"]), 2)
                     if r["drafts"]:
-                        # tokens per request-step with speculation over plain decoding, times the step-cost ratio
-                        per_step = r["tokens"] / r["steps"] / (base["tokens"] / base["steps"])
-                        row["predicted"] = round(per_step * base["step_ms"] / r["step_ms"], 2)
+                        # the cost model: E(a, k) tokens per step (i.i.d. acceptance at the measured
+                        # rate a) at the cost t_draft + t_verify (this run's step) over t_plain
+                        row["predicted"] = round(row["iid_len"] * base["step_ms"] / r["step_ms"], 2)
                 rows.append(row)
                 raw.append({**row, **{k: v for k, v in r.items() if k != "outputs"}})
     print_table(rows, ["workload", "batch", "method", "tok_s", "speedup", "predicted", "step_ms", "draft_ms",
-                       "acceptance", "mean_len", "iid_len", "identical"])
+                       "acceptance", "mean_len", "iid_len", "plain_steps", "identical"])
     write_json(args.out, {"args": vars(args), "rows": raw})
 
 

@@ -5,7 +5,8 @@ A decode step of a request yields 1 token plainly and E tokens speculatively (1 
 drafts, measured). A step costs t_plain or t_spec (wall time between consecutive steps, which
 includes the draft model's forwards, the wider verification forward and the engine's overhead).
 Speculation pays while E / t_spec >= 1 / t_plain. Both sides are exponential moving averages
-over decode-only steps (a step with prefill chunks says little about either); the mode in
+over decode-only steps (a step with prefill chunks says little about either, and a gap over
+8x the average is the engine idling between requests, not a step); the mode in
 favour runs ``window`` steps, then the other one runs ``probe`` steps so its figure stays
 current (at most probe / (window + probe) of the steps run in the worse mode). Outputs do not
 depend on the choice: plain and speculative steps sample the same distribution.
@@ -17,7 +18,7 @@ from typing import Optional
 
 
 class SpecGovernor:
-    def __init__(self, window: int = 48, probe: int = 6, decay: float = 0.8) -> None:
+    def __init__(self, window: int = 32, probe: int = 4, decay: float = 0.8) -> None:
         self.window, self.probe, self.decay = window, probe, decay
         self.t_spec: Optional[float] = None
         self.t_plain: Optional[float] = None
@@ -47,8 +48,9 @@ class SpecGovernor:
         now = time.perf_counter() if now is None else now
         if self._last is not None:
             start, spec, was_decode = self._last
-            if was_decode:
-                dt = now - start
+            dt = now - start
+            ref = self.t_spec if spec else self.t_plain
+            if was_decode and (ref is None or dt < 8 * ref):  # a much longer gap: the engine was idle
                 if spec and self._pending_tokens is not None:
                     self.t_spec = self._ema(self.t_spec, dt)
                     self.tokens_spec = self._ema(self.tokens_spec, self._pending_tokens)
