@@ -176,6 +176,10 @@ def _build_parser() -> argparse.ArgumentParser:
                           '{"name": ..., "path": ..., "base_model_name": ...}; a request\'s model picks one')
     srv.add_argument("--allow-runtime-lora-updating", action="store_true",
                      help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
+    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                     help="how tool_choice \"auto\" reads tool calls out of the model's output")
     srv.add_argument("--data-parallel-size", type=int, default=1,
                      help="engine replicas behind this server: N child servers on internal ports, each pinned to "
                           "its share of the CPUs (or its own GPUs), and a prefix-aware router on --port")
@@ -304,7 +308,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  max_request_body_size=args.max_request_body_size,
                                  http_read_timeout=args.http_read_timeout, request_timeout=args.request_timeout,
                                  metrics_prefix=args.metrics_prefix, lora_modules=tuple(args.lora_modules or ()),
-                                 allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                                 allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                                 enable_auto_tool_choice=args.enable_auto_tool_choice,
+                                 tool_call_parser=args.tool_call_parser)
         return run_server(config, server_args, args.stop_requested)
     except ValueError as e:  # bad configuration: one clear line, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)

@@ -49,13 +49,13 @@ def chat_template_variables(tokenizer) -> dict[str, Any]:
 
 
 def render_request_template(tokenizer, sandbox, template: str, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True, **kwargs) -> list[int]:
+                            add_generation_prompt: bool = True, tools: Optional[list] = None, **kwargs) -> list[int]:
     """A chat template sent with a request: rendered in ``sandbox`` (a TemplateSandbox: another
     process, bounded in time, memory and output), then encoded as transformers does. ``kwargs``:
     extra template variables (chat_template_kwargs)."""
     variables = chat_template_variables(tokenizer)
     variables.update(kwargs)
-    variables.update(messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None)
+    variables.update(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
     text = sandbox.render(template, variables)
     return list(tokenizer.encode(text, add_special_tokens=False))
 

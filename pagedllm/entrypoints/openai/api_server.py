@@ -130,7 +130,8 @@ class ServerState:
 
             self.template_sandbox = TemplateSandbox(timeout=self.args.chat_template_timeout)
         options = ServingOptions(self.args.trust_request_chat_template, self.template_sandbox,
-                                 self.args.request_timeout, self.chat_template)
+                                 self.args.request_timeout, self.chat_template, self.args.enable_auto_tool_choice,
+                                 self.args.tool_call_parser)
         self.serving = OpenAIServing(engine, self.served_model_names, self.model_path, options)
         self.max_body_size = self.args.max_request_body_size or default_max_body_size(
             self.serving.input_processor.max_prompt_chars, engine.max_model_len)
@@ -400,6 +401,8 @@ class ServerArgs:
     metrics_prefix: str = "pagedllm"  # metric names are PREFIX:name ("vllm" for vLLM's dashboards)
     lora_modules: tuple[str, ...] = ()  # LoRA adapters served from the start: name=path or JSON objects
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: Optional[str] = None  # hermes | llama3_json: how "auto" reads the model's tool calls
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -411,6 +414,12 @@ class ServerArgs:
         if self.max_request_body_size is not None and self.max_request_body_size < 1024:
             raise ValueError(f"max_request_body_size must be >= 1024 bytes, got {self.max_request_body_size}")
         lora_modules.parse_lora_modules(self.lora_modules)  # malformed entries fail at start-up
+        if self.tool_call_parser is not None:
+            from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(f"metrics_prefix must be a metric name prefix such as pagedllm or vllm, "
                              f"got {self.metrics_prefix!r}")

@@ -25,6 +25,8 @@ from typing import Any, AsyncIterator, Optional, Union
 from pagedllm.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
 from pagedllm.entrypoints.openai import logprobs as lp_format
 from pagedllm.entrypoints.openai.beam import beam_search_params, check_best_of
+from pagedllm.entrypoints.openai import tool_calls as tc
+from pagedllm.entrypoints.openai.structured import rename_field, request_constraint
 from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
@@ -60,6 +62,10 @@ class APIError(Exception):
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def _bad_request(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
 
 
 def to_api_error(e: BaseException, aliases: Optional[dict[str, str]] = None) -> APIError:
@@ -107,6 +113,8 @@ class ServingOptions:
     template_sandbox: Any = None  # a TemplateSandbox, needed when request templates are trusted
     request_timeout: Optional[float] = None  # default deadline in seconds (None: none)
     chat_template: Optional[str] = None  # the server's --chat-template (replaces the model's)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with tool_call_parser)
+    tool_call_parser: Optional[str] = None  # hermes | llama3_json
 
 
 def sse(model) -> str:
@@ -264,6 +272,7 @@ class OpenAIServing:
             frequency_penalty=req.frequency_penalty, repetition_penalty=pick("repetition_penalty", 1.0),
             logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, best_of=getattr(req, "best_of", None),
+            structured_outputs=request_constraint(req, _bad_request)[0],
         )
         try:
             params = SamplingParams(**kwargs)
@@ -278,6 +287,17 @@ class OpenAIServing:
                 param=(aliases or {}).get("max_tokens", "max_tokens"), code="context_length_exceeded",
             )
         return params
+
+    async def _check_constraint(self, req, params: SamplingParams, field: Optional[str] = None) -> None:
+        """Compile the request's output constraint on a worker thread (cached for the engine):
+        a schema, regex or grammar that does not compile is a 400 naming the request field."""
+        if params.structured_outputs is None:
+            return
+        field = field or request_constraint(req, _bad_request)[1]
+        try:
+            await asyncio.to_thread(self.engine.engine.check_structured_outputs, params)
+        except ValueError as e:
+            raise APIError(400, rename_field(str(e), field), param=field, code="invalid_value") from None
 
     async def _process(self, prompt, param: str) -> tuple[Optional[str], list[int]]:
         """Validate and tokenise a prompt on a worker thread (never on the event loop)."""
@@ -345,6 +365,8 @@ class OpenAIServing:
             prompts[i] = (text, ids)
             params = self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, prompt_n)
             items.append(({"prompt_token_ids": ids, "prompt": text}, params, f"{rid}-{i}"))
+        if items:
+            await self._check_constraint(req, items[0][1])
         streams = await self._start(items, self._timeout(req, timeout), model)
         if req.stream:
             return streams, self._completion_stream(req, streams, rid, model, prompts)
@@ -432,7 +454,7 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest, tools: Optional[list] = None) -> list[int]:
         if not req.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages", code="invalid_value")
         if self.tokenizer is None:
@@ -444,10 +466,7 @@ class OpenAIServing:
                 if any(p.type != "text" or p.text is None for p in content):
                     raise APIError(400, "only text content parts are supported", param="messages")
                 content = "\n".join(p.text for p in content)
-            d = {"role": m.role, "content": content or ""}
-            if m.name:
-                d["name"] = m.name
-            messages.append(d)
+            messages.append(tc.template_message(m, content or ""))
         from pagedllm.tokenizer.chat_template import TemplateLimitError
         from pagedllm.tokenizer.tokenizer import apply_chat_template, render_request_template
 
@@ -466,7 +485,7 @@ class OpenAIServing:
             try:
                 return await asyncio.to_thread(render_request_template, self.tokenizer,
                                                self.options.template_sandbox, template, messages,
-                                               req.add_generation_prompt, **kwargs)
+                                               req.add_generation_prompt, tools=tools, **kwargs)
             except TemplateLimitError as e:
                 raise APIError(400, f"the chat template exceeded its limits: {e}", param="chat_template",
                                code="chat_template_limit") from None
@@ -474,7 +493,7 @@ class OpenAIServing:
                 raise APIError(400, f"could not apply the chat template: {e}", param="chat_template") from None
         try:
             return await asyncio.to_thread(apply_chat_template, self.tokenizer, messages, req.add_generation_prompt,
-                                           self.options.chat_template, **kwargs)
+                                           self.options.chat_template, tools=tools, **kwargs)
         except TemplateLimitError as e:
             raise APIError(400, f"the chat template exceeded its limits: {e}", param="messages",
                            code="chat_template_limit") from None
@@ -496,7 +515,8 @@ class OpenAIServing:
 
     async def create_chat_completion(self, req: ChatCompletionRequest, timeout: Optional[float] = None):
         model = self.check_model(req.model)
-        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req)}, "messages"))[1]
+        plan = tc.plan_tools(req, self.options.enable_auto_tool_choice, self.options.tool_call_parser, _bad_request)
+        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages"))[1]
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self._check_prompt_logprobs(req)
@@ -505,18 +525,24 @@ class OpenAIServing:
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       req.prompt_logprobs, aliases=aliases)
+        if plan.constraint is not None:
+            if params.structured_outputs is not None:
+                raise _bad_request(f"tool_choice {plan.mode!r} constrains the output, and so does "
+                                   f"{request_constraint(req, _bad_request)[1]}: pass one", "tool_choice")
+            params.structured_outputs = plan.constraint
+        await self._check_constraint(req, params, "tools" if plan.constraint is not None else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([({"prompt_token_ids": ids}, params, rid)], self._timeout(req, timeout), model)
         if req.stream:
-            return streams, self._chat_stream(req, streams, rid, model, len(ids))
-        return await self._chat_full(req, streams, rid, model, len(ids))
+            return streams, self._chat_stream(req, streams, rid, model, len(ids), plan)
+        return await self._chat_full(req, streams, rid, model, len(ids), plan)
 
     def _chat_lps(self, req, token_ids, logprobs):
         if not req.logprobs:
             return None
         return lp_format.chat_logprobs(token_ids, logprobs or [], req.top_logprobs or 0, self.tokenizer)
 
-    async def _chat_full(self, req, streams: StreamSet, rid, model, prompt_len) -> ChatCompletionResponse:
+    async def _chat_full(self, req, streams: StreamSet, rid, model, prompt_len, plan=None) -> ChatCompletionResponse:
         choices: dict[int, _Choice] = {}
         cached, last = 0, None
         try:
@@ -528,18 +554,20 @@ class OpenAIServing:
             raise to_api_error(e) from None
         finally:
             streams.close()
-        result = [
-            ChatChoice(index=k, message=ChatMessage(content="".join(c.text)),
-                       logprobs=self._chat_lps(req, c.token_ids, c.logprobs),
-                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-            for k, c in sorted(choices.items())
-        ]
+        result = []
+        for k, c in sorted(choices.items()):
+            content, calls = tc.parse_output(plan or tc.ToolPlan(), "".join(c.text))
+            result.append(ChatChoice(index=k, message=ChatMessage(content=content, tool_calls=tc.tool_calls(calls)),
+                                     logprobs=self._chat_lps(req, c.token_ids, c.logprobs),
+                                     finish_reason=tc.finish_reason(plan or tc.ToolPlan(), calls, c.finish_reason),
+                                     stop_reason=c.stop_reason))
         ntok = sum(len(c.token_ids) for c in choices.values())
         return ChatCompletionResponse(id=rid, model=model, choices=result, usage=self._usage(prompt_len, ntok, cached),
                                       prompt_logprobs=self._prompt_logprobs(req, last))
 
-    async def _chat_stream(self, req, streams: StreamSet, rid, model, prompt_len) -> AsyncIterator[str]:
+    async def _chat_stream(self, req, streams: StreamSet, rid, model, prompt_len, plan=None) -> AsyncIterator[str]:
         done, ntok, cached = set(), 0, 0
+        tools = {k: tc.ToolStream(plan) for k in range(req.n)} if plan is not None and plan.active else None
         try:
             for k in range(req.n):
                 choice = ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
@@ -552,6 +580,17 @@ class OpenAIServing:
                     ntok += len(o.token_ids)
                     if o.finish_reason is not None:
                         done.add(o.index)
+                    if tools is not None:  # tool calls: content and tool_calls deltas, then the finish
+                        for delta in tools[o.index].feed(o.text, o.finish_reason is not None):
+                            yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[
+                                ChatStreamChoice(index=o.index, delta=delta)]))
+                        if o.finish_reason is None:
+                            continue
+                        reason = tc.finish_reason(plan, tools[o.index].calls, o.finish_reason)
+                        choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(), finish_reason=reason,
+                                                  stop_reason=o.stop_reason)
+                        yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+                        continue
                     choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(content=o.text),
                                               logprobs=self._chat_lps(req, o.token_ids, o.logprobs),
                                               finish_reason=o.finish_reason, stop_reason=o.stop_reason)
