@@ -7,9 +7,12 @@ adapter, ``x @ A.T @ B.T`` (B carries the adapter's scaling). Per slot it stores
     lora_a [max_loras, n_targets * max_rank, in_local]   the present targets' A stacked on the rank dim
     lora_b [max_loras, out_local, max_rank]              each target's B at its output offset
 
-zero-padded to the largest rank. The shrink is one product per slot (every target at once), the
-expand one per slot and present target, into that target's output columns; a target an adapter
-leaves out is skipped (its B rows are zero).
+    lora_b [max_loras, out_local, n_targets * max_rank]  block-diagonal: target j's B in its output
+                                                         rows and its rank columns, zeros elsewhere
+
+zero-padded to the largest rank. The shrink is one product per slot (every target at once), and
+so is the expand (the block-diagonal B puts each target's delta at its output offset; a target
+the adapter leaves out has no columns).
 
 Tensor parallel: a column-parallel layer holds full A and its rank's rows of B (sliced like the
 base weight's output, q/k/v by heads); a row-parallel layer holds its rank's columns of A and full
@@ -21,7 +24,23 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.layers.cpu_gemm import linear, pack_panels, pack_weight, packed_compute_dtype
 from pagedllm.lora.batch import LoRAStepState
+
+
+def pack_for_gemm(w: torch.Tensor) -> torch.Tensor:
+    """A slot's A or B in the form the CPU GEMM runs fastest (pagedllm's panels when the C++
+    kernels are loaded, else oneDNN's blocked layout; dense on GPU): small products in bf16
+    through torch's generic path cost several times their FLOPs."""
+    if w.device.type != "cpu":
+        return w
+    w = w.contiguous()
+    kernels = cpu_kernels.ready()
+    if kernels is not None and w.dtype in (torch.float32, torch.bfloat16):
+        return pack_panels(w, kernels)
+    compute = packed_compute_dtype(w.dtype)
+    return pack_weight(w, compute) if compute is not None else w
 
 
 class LoRALinear(nn.Module):
@@ -40,8 +59,9 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.register_buffer("lora_a", torch.zeros(max_loras, len(targets) * max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, sum(out_sizes), max_rank, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, sum(out_sizes), len(targets) * max_rank, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.packed: list = [None] * max_loras  # per slot (A, B) as the GEMM wants them (see pack_for_gemm)
         self.slot_rank = [0] * max_loras  # host copies: the rank in each slot (0: no delta for this layer)
         self.slot_targets: list[tuple[int, ...]] = [()] * max_loras  # target indices present, in stacked order
 
@@ -54,9 +74,11 @@ class LoRALinear(nn.Module):
         for j, t in enumerate(present):
             A, B = pieces[t]
             a[j * rank:(j + 1) * rank].copy_(A)
-            b[self.offsets[t]:self.offsets[t] + self.out_sizes[t], :rank].copy_(B)
+            b[self.offsets[t]:self.offsets[t] + self.out_sizes[t], j * rank:(j + 1) * rank].copy_(B)
         self.slot_rank[slot] = rank if present else 0
         self.slot_targets[slot] = present
+        n = len(present) * rank
+        self.packed[slot] = (pack_for_gemm(a[:n]), pack_for_gemm(b[:, :n])) if present else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -66,10 +88,8 @@ class LoRALinear(nn.Module):
         xs = x if batch.index is None else x.index_select(0, batch.index)
         shrunk = []  # (slot, start, end, [rows, n * r])
         for slot, start, end in batch.groups:
-            r = self.slot_rank[slot]
-            if r:
-                n = len(self.slot_targets[slot])
-                shrunk.append((slot, start, end, xs[start:end] @ self.lora_a[slot, :n * r].t()))
+            if self.slot_rank[slot]:
+                shrunk.append((slot, start, end, linear(xs[start:end], self.packed[slot][0])))
         if not shrunk:
             return y
         if self.row_parallel and self.tp.world_size > 1:  # partial sums over this rank's input columns
@@ -79,12 +99,10 @@ class LoRALinear(nn.Module):
                 parts.append((slot, start, end, flat[at:at + t.numel()].view_as(t)))
                 at += t.numel()
             shrunk = parts
-        out = y if batch.index is None else y.new_zeros(batch.num_rows, y.shape[-1])
         for slot, start, end, t in shrunk:
-            r = self.slot_rank[slot]
-            for j, target in enumerate(self.slot_targets[slot]):
-                lo, size = self.offsets[target], self.out_sizes[target]
-                out[start:end, lo:lo + size].addmm_(t[:, j * r:(j + 1) * r], self.lora_b[slot, lo:lo + size, :r].t())
-        if batch.index is not None:
-            y.index_add_(0, batch.index, out)
+            delta = linear(t, self.packed[slot][1])
+            if batch.index is None:
+                y += delta
+            else:
+                y.index_add_(0, batch.index[start:end], delta)
         return y

@@ -130,4 +130,5 @@ def test_slot_tensors_hold_the_scaled_adapter(base_and_adapters):
     for j, t in enumerate("qkv"):
         torch.testing.assert_close(layer.lora_a[slot, j * r:(j + 1) * r], weights[key.format(t, "A")])
         lo, size = layer.offsets[j], layer.out_sizes[j]
-        torch.testing.assert_close(layer.lora_b[slot, lo:lo + size, :r], weights[key.format(t, "B")] * scale)
+        torch.testing.assert_close(layer.lora_b[slot, lo:lo + size, j * r:(j + 1) * r], weights[key.format(t, "B")] * scale)
+        assert not layer.lora_b[slot, :lo, j * r:(j + 1) * r].any() and not layer.lora_b[slot, lo + size:, j * r:(j + 1) * r].any()
