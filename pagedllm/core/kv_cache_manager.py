@@ -106,22 +106,31 @@ class KVCacheManager:
             raise ValueError("num_new_tokens must be > 0")
         new_computed_blocks = new_computed_blocks or []
         held = self.req_blocks.get(request.request_id, [])
+        num_held = len(held)
         first_new_pos = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = first_new_pos + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_tokens_after) - len(held) - len(new_computed_blocks)
+        num_new_blocks = self.blocks_needed(num_tokens_after) - num_held - len(new_computed_blocks)
+        # Sliding window: hits the window has already left behind are not taken at all (they stay
+        # free, hashes and all), and held blocks it leaves behind are freed below, so they count
+        # as room already (only those no other request shares: a shared one stays held).
+        num_dead = self._num_dead_blocks(first_new_pos)
+        num_skipped_hits = min(max(0, num_dead - num_held), len(new_computed_blocks))
+        live_hits = new_computed_blocks[num_skipped_hits:]
+        dying = held[self.num_window_freed.get(request.request_id, 0):num_dead]
+        num_dying = sum(1 for b in dying if b.ref_cnt == 1)
         # Hit blocks sitting in the free queue stop being free once touched.
-        num_hits_in_queue = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        # Held blocks the window leaves behind are freed below; they count as room already.
-        num_dying = max(0, min(self._num_dead_blocks(first_new_pos), len(held))
-                        - self.num_window_freed.get(request.request_id, 0))
+        num_hits_in_queue = sum(1 for b in live_hits if b.ref_cnt == 0)
         if max(num_new_blocks, 0) + num_hits_in_queue > self.pool.num_free_blocks + num_dying:
             return None
-        if request.request_id in self.req_blocks:
+        if dying:
             self._free_out_of_window(request.request_id, held, first_new_pos)  # room before taking more
-        self.pool.touch(new_computed_blocks)
+        self.pool.touch(live_hits)
         fresh = self.pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed_blocks)
+        if num_skipped_hits:
+            blocks.extend([OUT_OF_WINDOW] * num_skipped_hits)
+            self.num_window_freed[request.request_id] = num_held + num_skipped_hits
+        blocks.extend(live_hits)
         blocks.extend(fresh)
         if self.enable_prefix_caching:
             # Register full blocks of known tokens now: they are written in this very step, and
@@ -130,10 +139,10 @@ class KVCacheManager:
             num_full = min(num_tokens_after // self.block_size, len(request.block_hashes))
             start = self.num_cached_blocks.get(request.request_id, 0)
             for i in range(start, num_full):
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+                if blocks[i] is not OUT_OF_WINDOW:
+                    self.pool.cache_block(blocks[i], request.block_hashes[i])
             self.num_cached_blocks[request.request_id] = max(start, num_full)
-        self._free_out_of_window(request.request_id, blocks, first_new_pos)  # hits already out of the window
-        return [b.block_id for b in new_computed_blocks] + [b.block_id for b in fresh]
+        return [b.block_id for b in blocks[num_held:]]
 
     # ---- sliding window ---------------------------------------------------------------------
     def _num_dead_blocks(self, first_new_pos: int) -> int:

@@ -1,6 +1,6 @@
 """Uniform sliding window: blocks whose keys every later query has left behind go back to the
 pool while the request runs (Mistral-style configs), and nothing else about caching changes."""
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from pagedllm.core.contracts import ModelRunnerOutput
 from pagedllm.core.kv_cache_manager import OUT_OF_WINDOW, KVCacheManager
@@ -80,7 +80,11 @@ def test_without_a_window_nothing_is_freed_early():
     assert live_blocks(kv, "r") == len(kv.req_blocks["r"]) == 11
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=150, deadline=None)
+# A block shared through the prefix cache frees nothing when the window leaves it.
+@example(window=2, block_size=1, budget=3, prompts=[(1, 2), (1, 2), (2, 2)], extra_blocks=0, caching=True)
+# A resumed request's hits behind the window are not taken (else they fill the pool).
+@example(window=4, block_size=1, budget=4, prompts=[(1, 3), (9, 1)], extra_blocks=0, caching=True)
 @given(
     window=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 8]), budget=st.integers(2, 24),
     prompts=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30)), min_size=1, max_size=5),
