@@ -50,7 +50,7 @@ class SliceSource:
         return self._slice[tuple(index)]
 
     def full(self) -> torch.Tensor:
-        return self._slice[:]
+        return self._slice[:] if len(self.shape) else self._slice[()]  # 0-dim: a per-tensor scale
 
 
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, SliceSource]]:

@@ -5,7 +5,8 @@ The worker builds the model with dense linear weights on the meta device
 gets its quantization method's checkpoint-shaped parameters (``create_weights``, with this rank's
 tensor-parallel partition) or, where the checkpoint leaves it dense, a real dense weight. So no
 dense weight is ever allocated for a quantized layer. After loading, :func:`finish_quantized_layers`
-unpacks every layer into its run-time :class:`QuantizedWeight`.
+unpacks every layer into its run-time :class:`QuantizedWeight`, and on CPU, once the C++ kernels
+are loaded, :func:`prepare_quantized_layers` repacks it for them.
 
 Our fused layers (qkv_proj, gate_up_proj) are matched to their checkpoint modules (q/k/v_proj,
 gate/up_proj) through the loader's own name mapping, so ignore lists and per-module presence
@@ -24,7 +25,8 @@ from torch import nn
 
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.models.loader import checkpoint_target
-from pagedllm.quantization.base import LinearPartition
+from pagedllm.quantization.base import LinearPartition, install_quantized
+from pagedllm.quantization.qgemm import prepare
 from pagedllm.quantization.registry import QUANT_SUFFIXES, SUPPORTED_FORMATS, QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -139,3 +141,18 @@ def finish_quantized_layers(model: nn.Module) -> None:
     logger.info("quantization %s: %d linear layers (%s), their weights %.1f MiB instead of %.1f MiB dense (%.2fx "
                 "smaller)", layers[0].quant_method.name, len(layers), ", ".join(kinds), quantized / 2**20,
                 dense / 2**20, dense / max(quantized, 1))
+
+
+def prepare_quantized_layers(model: nn.Module) -> int:
+    """After the CPU kernels are loaded: every quantized weight repacked once into the layout they
+    multiply (``qgemm.prepare``; the unpacked form is dropped). Returns how many were repacked."""
+    count = 0
+    for m in model.modules():
+        qw = getattr(m, "quantized", None)
+        if qw is None:
+            continue
+        packed = prepare(qw)
+        if packed is not qw:
+            install_quantized(m, packed)
+            count += 1
+    return count

@@ -38,7 +38,7 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """int32 ``[R, C / 8]`` in AWQ's interleaved order -> codes ``[R, C]`` in column order."""
     nibbles = unpack_int32(packed, 4, axis=1)  # nibble order: [R, C] with column 8i + j = nibble j
     r, c = nibbles.shape
-    inverse = torch.argsort(torch.tensor(AWQ_ORDER))  # column offset o sits at nibble inverse[o]
+    inverse = torch.argsort(torch.tensor(AWQ_ORDER, device=packed.device))  # column offset o is at nibble inverse[o]
     return nibbles.view(r, c // 8, 8)[:, :, inverse].reshape(r, c)
 
 

@@ -8,7 +8,7 @@ A method owns one linear layer's weight layout from checkpoint to matmul:
    what units: packed words, groups). No dense weight is allocated.
 2. ``process_after_loading(layer)`` unpacks them into the one run-time form, a
    :class:`QuantizedWeight`, registers its tensors as parameters (so resident memory is counted)
-   and drops the checkpoint tensors.
+   and drops the checkpoint tensors. On CPU the kernels then repack it once (``qgemm.prepare``).
 3. ``apply(layer, x, bias)`` multiplies: ``quantized_linear`` (the kernels' dispatcher).
 
 ``LinearPartition`` is the layer's tensor-parallel shape, built by the layer side
@@ -16,6 +16,7 @@ A method owns one linear layer's weight layout from checkpoint to matmul:
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,9 +25,6 @@ from torch import nn
 
 from pagedllm.quantization.qgemm import quantized_linear
 from pagedllm.quantization.quantized_weight import QuantizedWeight
-
-_RUNTIME = ("q_codes", "q_scales", "q_zeros", "q_perm")  # parameter names of a loaded QuantizedWeight
-
 
 @dataclass(frozen=True, slots=True)
 class LinearPartition:
@@ -116,6 +114,7 @@ def make_loader(spec: ParamSpec, part: LinearPartition, layer_name: str):
                 param.data.narrow(0, offset, size).fill_(value[0])
             elif value.numel() >= start + size:  # one value per row (per-channel scales)
                 param.data.narrow(0, offset, size).copy_(value.narrow(0, start, size))
+                param.per_channel = True  # type: ignore[attr-defined]
             else:
                 raise ValueError(where(f"{value.numel()} scale values do not cover rows {start}..{start + size}"))
             return
@@ -158,15 +157,18 @@ def register_params(layer: nn.Module, specs: list[ParamSpec], part: LinearPartit
     layer.checkpoint_param_names = tuple(s.name for s in specs)
 
 
-def install_quantized(layer: nn.Module, qw: QuantizedWeight) -> None:
-    """Drop the checkpoint tensors and keep ``qw`` (its tensors registered as parameters, so the
-    layer's resident bytes are what the model's parameters add up to)."""
-    for name in getattr(layer, "checkpoint_param_names", ()):
-        if name in layer._parameters:
+def install_quantized(layer: nn.Module, qw) -> None:
+    """Drop the checkpoint tensors (or an earlier run-time form) and keep ``qw`` -- a
+    QuantizedWeight, or the kernels' repacked form of one -- with its tensors registered as
+    ``q_<field>`` parameters, so the layer's resident bytes are what its parameters add up to."""
+    for name in list(layer._parameters):
+        if name in getattr(layer, "checkpoint_param_names", ()) or name.startswith("q_"):
             del layer._parameters[name]
-    for name, t in zip(_RUNTIME, (qw.qweight, qw.scales, qw.zeros, qw.input_perm)):
-        if t is not None:
-            layer.register_parameter(name, nn.Parameter(t, requires_grad=False))
+    layer.checkpoint_param_names = ()
+    for f in dataclasses.fields(qw):
+        t = getattr(qw, f.name)
+        if isinstance(t, torch.Tensor):
+            layer.register_parameter(f"q_{f.name}", nn.Parameter(t, requires_grad=False))
     layer.quantized = qw
 
 
@@ -215,7 +217,7 @@ def act_order(g_idx: torch.Tensor, group_size: int, num_groups: int, where: str)
     hold exactly ``group_size`` of this rank's columns (a tensor-parallel split through a group)."""
     g = g_idx.to(torch.int64)
     k = g.numel()
-    if torch.equal(g, torch.arange(k, dtype=torch.int64) // group_size):
+    if torch.equal(g, torch.arange(k, dtype=torch.int64, device=g.device) // group_size):
         return None, None
     perm = torch.argsort(g, stable=True)
     present, counts = torch.unique(g, return_counts=True)

@@ -176,7 +176,7 @@ class CompressedTensorsMethod(QuantMethod):
         else:
             codes = layer.weight.data.to(torch.int32) + offset
         if s.symmetric:
-            zeros = torch.full((n, groups), float(offset))
+            zeros = torch.full((n, groups), float(offset), device=codes.device)
         elif s.fmt == "pack":
             zeros = unpack_int32(layer.weight_zero_point.data, s.bits, axis=0)[:n].float()
         else:

@@ -13,7 +13,7 @@ from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig, fit_max_model_len
 from pagedllm.models.loader import load_weights
 from pagedllm.layers.linear import linear_weights_on_meta
-from pagedllm.models.quantized import finish_quantized_layers, quantize_linear_layers
+from pagedllm.models.quantized import finish_quantized_layers, prepare_quantized_layers, quantize_linear_layers
 from pagedllm.quantization.registry import resolve_quantization
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_tp_group
@@ -144,6 +144,7 @@ class Worker:
             if config.cpu_kernels:
                 cpu_kernels.load(config.kernel_cache_dir)
             pack_linear_weights(self.model, self.dtype)
+            prepare_quantized_layers(self.model)  # quantized weights in the quantized GEMM kernels' layout
             for module in [m for m in self.model.modules() if hasattr(m, "pack_for_cpu")]:
                 module.pack_for_cpu(self.dtype)  # MoE experts: each expert's projections
             keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS

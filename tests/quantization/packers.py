@@ -117,7 +117,7 @@ def _pack_module(fmt: str, base: str, w: torch.Tensor, opts: dict, gen: torch.Ge
     if fmt in ("ct-float", "fp8"):
         block = opts.get("block")
         q, s, deq = fp8_quantize(w, opts.get("per_channel", True), block)
-        name = "weight_scale_inv" if block else "weight_scale"
+        name = "weight_scale_inv" if block and fmt == "fp8" else "weight_scale"
         scale = s if (block or opts.get("per_channel", True)) else s.reshape(() if fmt == "fp8" else (1,))
         out = {f"{base}.weight": q, f"{base}.{name}": scale}
         if opts.get("input_scale") is not None:

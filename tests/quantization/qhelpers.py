@@ -13,8 +13,8 @@ from checkpoints import make_checkpoint  # noqa: E402
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from prompts import random_prompts  # noqa: E402
 
-PROMPTS = random_prompts((3, 9, 17, 40), seed=5)
-SP = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+PROMPTS = random_prompts((3, 17, 40), seed=5)
+SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
@@ -62,3 +62,8 @@ def assert_weights_equal(model, ref: dict) -> int:
 
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def runtime(qw):
+    """The QuantizedWeight form of a layer's weight (the CPU kernels keep a repacked copy)."""
+    return qw.unpacked() if hasattr(qw, "unpacked") else qw

@@ -6,9 +6,13 @@ weight bytes are the quantized size; tensor parallel 2 gives tensor parallel 1's
 import os
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from checkpoints import assert_greedy_agrees, hf_greedy
 from packers import gptq_config, quantize_checkpoint
+from pagedllm.quantization.base import LinearPartition
+from pagedllm.quantization.gptq import GPTQMethod
 from qhelpers import PROMPTS, SP, assert_weights_equal, engine, model_of, run, tiny_llama, tokens, weight_bytes
 
 CASES = {
@@ -62,8 +66,33 @@ def test_gptq_tp2_matches_tp1(dense, ckpt_dir):
     assert len(sizes) == 2
 
 
-def test_gptq_tp_split_through_a_group_is_refused(dense, ckpt_dir):
-    """down_proj's 256 inputs split over 2 ranks = 128 each; group 96 does not divide them."""
-    path, _ = _pack(dense, ckpt_dir, "4bit_g64_actorder_asym")
-    with pytest.raises(Exception, match="act-order|desc_act|group"):
-        engine(path, tensor_parallel_size=2)
+def _load_layer(method, part, tensors: dict, name: str, shard=None):
+    layer = torch.nn.Module()
+    method.create_weights(layer, part, name)
+    for suffix in layer.checkpoint_param_names:
+        param = getattr(layer, suffix)
+        param.weight_loader(param, tensors[f"{name}.{suffix}"], *(() if shard is None else (shard,)))
+    method.process_after_loading(layer)
+    return layer
+
+
+def test_gptq_tp_splits_through_groups_or_words_are_refused(dense, ckpt_dir):
+    """Act-order groups scatter over K, so rank 1 of 2 of a row-parallel down_proj (inputs 128..255)
+    holds parts of groups: refused naming the layer. Rank 0 of 2 of a qkv layer whose 8-per-word
+    zero points would split inside a word: refused too. Rank 1 of 2 without act-order: the right
+    half of the reference weight, exactly."""
+    path, ref = _pack(dense, ckpt_dir, "4bit_g64_actorder_asym")
+    tensors = load_file(f"{path}/model.safetensors")
+    name = "model.layers.0.mlp.down_proj"
+    row = LinearPartition(128, 256, 128, 128, ((None, 0, 128, 0),))
+    method = GPTQMethod(4, 64, desc_act=True, v2=False)
+    with pytest.raises(ValueError, match=f"{name}: act-order"):
+        _load_layer(method, row, tensors, name)
+    path, ref = _pack(dense, ckpt_dir, "4bit_g32_sym")
+    tensors = load_file(f"{path}/model.safetensors")
+    layer = _load_layer(GPTQMethod(4, 32, desc_act=False, v2=False), row, tensors, name)
+    assert torch.equal(layer.quantized.dequantize(), ref[name][:, 128:])
+    odd = LinearPartition(128, 128, 0, 60, (("q", 0, 60, 0),))
+    with pytest.raises(ValueError, match="packing needs|packed units"):
+        _load_layer(GPTQMethod(4, 32, desc_act=False, v2=False), odd, tensors, "model.layers.0.self_attn.qkv_proj",
+                    "q")
