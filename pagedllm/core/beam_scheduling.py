@@ -40,13 +40,19 @@ def _plan(sched: Scheduler, remaining: list[int], budget: int) -> Optional[list[
     last-but-one token (none samples). None: nothing can run this step."""
     if sum(remaining) <= budget and all(sched._cap(r, budget) == r for r in remaining):
         return remaining
-    if not sched.limits.enable_chunked_prefill:
+    # Catching up is chunked even without chunked prefill: a root's prompt always fits one step
+    # there (budget >= max_model_len), but W preempted beams recomputed at once may not.
+    # Each beam first gets an equal share (so all can be admitted together), then the rest in order.
+    behind = sum(1 for r in remaining if r > 1)
+    if behind == 0 or budget < behind:
         return None
-    plan, left = [], budget
-    for r in remaining:
-        t = max(0, min(r - 1, sched._cap(r - 1, left)))
-        plan.append(t)
-        left -= t
+    share = budget // behind
+    plan = [max(0, min(r - 1, sched._cap(r - 1, share))) for r in remaining]
+    left = budget - sum(plan)
+    for i, r in enumerate(remaining):
+        extra = max(0, min(r - 1 - plan[i], sched._cap(r - 1, plan[i] + left) - plan[i]))
+        plan[i] += extra
+        left -= extra
     return plan if sum(plan) else None
 
 

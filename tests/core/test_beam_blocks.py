@@ -74,9 +74,9 @@ class FakeRunner:
 
 
 def run(groups, *, num_blocks=256, block_size=4, budget=64, max_num_seqs=32, caching=True, plain=0, max_tokens=9,
-        check_bound=False):
+        check_bound=False, chunked=True):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    s = Scheduler(SchedulerLimits(max_num_seqs, budget, 512), kv)
+    s = Scheduler(SchedulerLimits(max_num_seqs, budget, 512, enable_chunked_prefill=chunked), kv)
     runner = FakeRunner(num_blocks, block_size)
     for g, (prompt, width, lp, es) in enumerate(groups):
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0).with_eos([EOS])
@@ -159,6 +159,11 @@ def test_preemption_of_a_whole_group_then_same_results():
     assert pre == 0
     got, _, _, pre = run(groups, num_blocks=36, block_size=4, budget=64, max_tokens=20)
     assert pre > 0 and got == ref
+    # without chunked prefill a preempted group's beams catch up whole, one step each if need be
+    got, _, _, pre = run(groups, num_blocks=36, block_size=4, budget=40, max_tokens=20, chunked=False)
+    assert pre > 0 and got == ref
+    got, _, _, pre = run(groups, num_blocks=36, block_size=4, budget=40, max_tokens=20, chunked=False, caching=False)
+    assert pre > 0 and got == ref  # no prefix-cache hits: 4 beams of ~35 tokens share a 40-token budget
 
 
 def test_abort_frees_every_beam():
