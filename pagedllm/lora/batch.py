@@ -20,6 +20,7 @@ class LoRABatch:
     index: Optional[torch.Tensor]  # [N] long: rows with an adapter, sorted by slot; None = every row, one slot
     groups: list[tuple[int, int, int]]  # (slot, start, end): segments of the sorted rows
     num_rows: int  # N
+    segments: Optional[torch.Tensor] = None  # [3 * G] int32 (slot, start, end) on the device: the Triton kernels'
 
 
 class LoRAStepState:
@@ -31,8 +32,9 @@ class LoRAStepState:
         self.batch: Optional[LoRABatch] = None
 
 
-def build_lora_batch(token_slots: np.ndarray, device: torch.device) -> Optional[LoRABatch]:
-    """``token_slots``: [T] int, the adapter slot of each row (-1: none)."""
+def build_lora_batch(token_slots: np.ndarray, device: torch.device, with_segments: bool = False) -> Optional[LoRABatch]:
+    """``token_slots``: [T] int, the adapter slot of each row (-1: none). ``segments`` (for the
+    Triton kernels) are built on CUDA or when asked."""
     rows = np.flatnonzero(token_slots >= 0)
     if not len(rows):
         return None
@@ -42,6 +44,9 @@ def build_lora_batch(token_slots: np.ndarray, device: torch.device) -> Optional[
     uniq, starts = np.unique(slots, return_index=True)
     ends = np.append(starts[1:], len(rows))
     groups = [(int(s), int(a), int(b)) for s, a, b in zip(uniq, starts, ends)]
+    segments = None
+    if with_segments or device.type == "cuda":
+        segments = torch.tensor([v for g in groups for v in g], dtype=torch.int32).to(device, non_blocking=True)
     if len(groups) == 1 and len(rows) == len(token_slots):
-        return LoRABatch(None, groups, len(rows))
-    return LoRABatch(torch.from_numpy(rows.astype(np.int64)).to(device), groups, len(rows))
+        return LoRABatch(None, groups, len(rows), segments)
+    return LoRABatch(torch.from_numpy(rows.astype(np.int64)).to(device), groups, len(rows), segments)

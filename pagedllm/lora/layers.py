@@ -61,6 +61,8 @@ class LoRALinear(nn.Module):
                                                    device=device), persistent=False)
         self.register_buffer("lora_b", torch.zeros(max_loras, sum(out_sizes), len(targets) * max_rank, dtype=dtype,
                                                    device=device), persistent=False)
+        self.register_buffer("slot_cols", torch.zeros(max_loras, dtype=torch.int32, device=device), persistent=False)
+        self.use_triton = torch.device(device).type == "cuda"  # the segmented Triton kernels (lora/triton_ops.py)
         self.packed: list = [None] * max_loras  # per slot (A, B) as the GEMM wants them (see pack_for_gemm)
         self.slot_rank = [0] * max_loras  # host copies: the rank in each slot (0: no delta for this layer)
         self.slot_targets: list[tuple[int, ...]] = [()] * max_loras  # target indices present, in stacked order
@@ -78,13 +80,17 @@ class LoRALinear(nn.Module):
         self.slot_rank[slot] = rank if present else 0
         self.slot_targets[slot] = present
         n = len(present) * rank
-        self.packed[slot] = (pack_for_gemm(a[:n]), pack_for_gemm(b[:, :n])) if present else None
+        self.slot_cols[slot] = n
+        if not self.use_triton:
+            self.packed[slot] = (pack_for_gemm(a[:n]), pack_for_gemm(b[:, :n])) if present else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         batch = self.state.batch
         if batch is None:
             return y
+        if self.use_triton:
+            return self._forward_triton(x, y, batch)
         xs = x if batch.index is None else x.index_select(0, batch.index)
         shrunk = []  # (slot, start, end, [rows, n * r])
         for slot, start, end in batch.groups:
@@ -105,4 +111,16 @@ class LoRALinear(nn.Module):
                 y += delta
             else:
                 y.index_add_(0, batch.index[start:end], delta)
+        return y
+
+    def _forward_triton(self, x: torch.Tensor, y: torch.Tensor, batch) -> torch.Tensor:
+        """Two launches for every adapter of the step: shrink, (all-reduce,) expand into y."""
+        if not any(self.slot_rank[slot] for slot, _, _ in batch.groups):
+            return y
+        from pagedllm.lora.triton_ops import lora_expand, lora_shrink
+
+        t = lora_shrink(x, self.lora_a, self.slot_cols, batch)
+        if self.row_parallel and self.tp.world_size > 1:
+            t = self.tp.all_reduce(t)
+        lora_expand(t, self.lora_b, self.slot_cols, batch, y)
         return y
