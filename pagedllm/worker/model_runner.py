@@ -210,6 +210,9 @@ class ModelRunner:
         if pairs:
             md.mask_rows = torch.tensor([j for j, _ in pairs], dtype=torch.long, device=self.device)
             md.mask_bits = grammar.bitmask[torch.tensor([r for _, r in pairs], dtype=torch.long)].to(self.device)
+            if md.ban_rows is not None:  # min_tokens never holds back a grammar's end (it would leave no token)
+                keep = ~torch.isin(md.ban_rows, md.mask_rows)
+                md.ban_rows, md.ban_cols = (md.ban_rows[keep], md.ban_cols[keep]) if keep.any() else (None, None)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, Logprobs]:
         """Logprobs of prompt tokens 1..P-1 covered by this step's chunk (position p predicts p+1).

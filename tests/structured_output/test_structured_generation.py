@@ -171,3 +171,9 @@ def test_preemption_mid_output_keeps_outputs_valid(default_model):
     for o, sp in zip(outs, params):
         assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
         _check(o.outputs[0].text, sp.structured_outputs)
+
+
+def test_min_tokens_does_not_block_the_grammar_end(llm):
+    out = llm.generate(["KING:"], SamplingParams(max_tokens=30, min_tokens=20, temperature=0,
+                                                 structured_outputs=S(choice=["ay"])), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == "ay"
