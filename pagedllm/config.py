@@ -166,6 +166,9 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' (processes on this machine) or 'ray' (Ray "
                              f"actors across a Ray cluster), got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "ray" and self.device.startswith("cuda:"):
+            raise ValueError(f"device {self.device!r} with distributed_executor_backend='ray': use 'cuda' (Ray gives "
+                             "each worker its own GPU)")
         if self.distributed_executor_backend == "ray" and self.cpu_threads_bind not in (None, "nobind"):
             raise ValueError("cpu_threads_bind is for distributed_executor_backend='mp'; with 'ray' each worker runs "
                              "cpu_threads threads on the CPUs Ray reserves for it")

@@ -110,7 +110,8 @@ class RayExecutor:
         self._ray = ray
         world = config.tensor_parallel_size
         self.world_size = world
-        if not ray.is_initialized():
+        self._own_ray = not ray.is_initialized()  # joined (or started) here: left again at shutdown
+        if self._own_ray:
             ray.init(ignore_reinit_error=True, log_to_driver=True)
         use_gpu = config.device.startswith("cuda") or (config.device == "auto" and
                                                         ray.cluster_resources().get("GPU", 0) >= 1)
@@ -231,3 +232,5 @@ class RayExecutor:
             remove_placement_group(self._pg)
         except Exception:
             pass
+        if self._own_ray:
+            ray.shutdown()

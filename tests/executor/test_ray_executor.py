@@ -102,5 +102,7 @@ def test_missing_ray_and_bad_settings_are_clear_errors(monkeypatch, make_ckpt):
         EngineConfig(model=path, distributed_executor_backend="slurm")
     with pytest.raises(ValueError, match="pipeline_parallel_size 2 is not supported"):
         EngineConfig(model=path, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="Ray gives each worker its own GPU"):
+        EngineConfig(model=path, distributed_executor_backend="ray", device="cuda:1")
     with pytest.raises(ValueError, match="cpu_threads_bind is for"):
         EngineConfig(model=path, distributed_executor_backend="ray", cpu_threads_bind="auto")

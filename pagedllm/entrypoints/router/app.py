@@ -132,19 +132,19 @@ class RouterState:
 
     async def poll_health(self) -> None:
         while True:
-            due = self.replicas.due_for_check()
+            due = self.replicas.due_for_check(self.args.health_interval_s)
             if due:
                 await asyncio.gather(*(self.check(r) for r in due))
-            await asyncio.sleep(min(self.args.health_interval_s, self.args.retry_min_s))
+            await asyncio.sleep(min(self.args.health_interval_s, self.args.retry_min_s) / 2)
 
     # ---- proxying -----------------------------------------------------------------------------
-    async def proxy(self, raw: Request, path: str, body: bytes, hashes: list[bytes]) -> Response:
+    async def proxy(self, raw: Request, path: str, body: bytes, hashes: list[bytes], count: bool = True) -> Response:
         import httpx
 
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
         tried = []
         while True:
-            choice: Optional[Choice] = self.replicas.choose(hashes, exclude=tried)
+            choice: Optional[Choice] = self.replicas.choose(hashes, exclude=tried, count=count)
             if choice is None:
                 self.no_replica += 1
                 detail = "; ".join(f"replica {r.id}: {r.last_error}" for r in tried) or "none is healthy"
@@ -255,10 +255,15 @@ def build_router_app(args: RouterArgs, hasher=None, transport=None) -> FastAPI:
                 await poller
             await state.client.aclose()
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request and health poll
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
     app.state.router = state
 
     async def routed(raw: Request, path: str) -> Response:
+        declared = raw.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > args.max_request_body_size:  # refused before it is read
+            return _error(413, f"the request body is larger than {args.max_request_body_size} bytes",
+                          "request_too_large")
         body = await raw.body()
         if len(body) > args.max_request_body_size:
             return _error(413, f"the request body is larger than {args.max_request_body_size} bytes",
@@ -283,15 +288,15 @@ def build_router_app(args: RouterArgs, hasher=None, transport=None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        return await state.proxy(raw, "/tokenize", await raw.body(), [])
+        return await state.proxy(raw, "/tokenize", await raw.body(), [], count=False)
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
-        return await state.proxy(raw, "/detokenize", await raw.body(), [])
+        return await state.proxy(raw, "/detokenize", await raw.body(), [], count=False)
 
     @app.get("/v1/models")
     async def models(raw: Request):
-        return await state.proxy(raw, "/v1/models", b"", [])
+        return await state.proxy(raw, "/v1/models", b"", [], count=False)
 
     @app.get("/health")
     async def health():

@@ -43,6 +43,7 @@ class Replica:
         self.next_check = 0.0  # monotonic time of the next health check while down
         self.last_error: Optional[str] = None
         self.ever_up = False  # until a first 200, a starting server is polled at the shortest interval
+        self.last_check = 0.0  # monotonic time of its last health check
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +77,11 @@ class ReplicaSet:
     def healthy(self, exclude: Sequence[Replica] = ()) -> list[Replica]:
         return [r for r in self.replicas if r.healthy and r not in exclude]
 
-    def choose(self, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = ()) -> Optional[Choice]:
+    def choose(self, block_hashes: Sequence[bytes], exclude: Sequence[Replica] = (),
+               count: bool = True) -> Optional[Choice]:
         """Where a request with these prompt block hashes goes (None: no healthy replica). The
         choice is recorded: the replica's in-flight count and index grow (``finish`` undoes the
-        first)."""
+        first); ``count``: a generation request, counted in ``routed`` (not /v1/models and the like)."""
         live = self.healthy(exclude)
         if not live:
             return None
@@ -96,7 +98,7 @@ class ReplicaSet:
                 if n >= self.min_blocks(len(block_hashes)) and best.in_flight - least.in_flight <= self.max_load_imbalance:
                     chosen, matched = best, n
         chosen.in_flight += 1
-        chosen.routed += 1
+        chosen.routed += int(count)
         if matched:
             chosen.prefix_routed += 1
         if block_hashes and self.policy != "round_robin":
@@ -124,7 +126,12 @@ class ReplicaSet:
         backoff = self.retry_min_s * 2 ** (replica.failures - 1) if replica.ever_up else self.retry_min_s
         replica.next_check = now + min(self.retry_max_s, backoff)
 
-    def due_for_check(self, now: Optional[float] = None) -> list[Replica]:
-        """Healthy replicas (every poll) and down ones whose backoff has passed."""
+    def due_for_check(self, interval: float, now: Optional[float] = None) -> list[Replica]:
+        """Healthy replicas checked ``interval`` seconds ago or more, and down ones whose backoff
+        has passed; they are marked checked now."""
         now = time.monotonic() if now is None else now
-        return [r for r in self.replicas if r.healthy or r.next_check <= now]
+        due = [r for r in self.replicas
+               if (r.healthy and now - r.last_check >= interval) or (not r.healthy and r.next_check <= now)]
+        for r in due:
+            r.last_check = now
+        return due

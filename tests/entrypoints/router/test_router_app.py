@@ -160,3 +160,15 @@ def test_api_key_and_errors_pass_through(router, backends):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     models = CLIENT.get(f"{router.url}/v1/models").json()
     assert models["data"][0]["id"] == "base"
+
+
+def test_oversized_body_is_413_and_models_are_not_counted_as_routed(backends):
+    server = start_router(backends, max_request_body_size=200)
+    try:
+        r = complete(server.url, "w " * 200)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert not backends[0].received and not backends[1].received
+        CLIENT.get(f"{server.url}/v1/models")
+        assert sum(r.routed for r in server.state.replicas.replicas) == 0
+    finally:
+        server.stop()

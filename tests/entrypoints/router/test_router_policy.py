@@ -92,7 +92,10 @@ def test_mark_down_backs_off_and_forgets_the_index():
     rs.mark_down(owner, "again", now=103.0)
     rs.mark_down(owner, "again", now=107.0)
     assert owner.next_check == 107.0 + 5.0  # 1, 2, 4, then capped at 5
-    assert owner not in rs.due_for_check(now=111.0) and owner in rs.due_for_check(now=112.0)
+    assert owner not in rs.due_for_check(2.0, now=111.0) and owner in rs.due_for_check(2.0, now=112.0)
+    other = rs.replicas[1 - owner.id]
+    assert other in rs.due_for_check(2.0, now=200.0)  # healthy: every interval
+    assert other not in rs.due_for_check(2.0, now=201.0) and other in rs.due_for_check(2.0, now=202.0)
     assert rs.choose(p).replica is not owner  # only the healthy one takes requests
     rs.mark_down(rs.replicas[1 - owner.id], "gone", now=0.0)
     assert rs.choose(p) is None
