@@ -91,10 +91,11 @@ class AsyncLLM:
         # (a request with n=8 is 8). Counted on this side (not from the engine's last stats
         # snapshot) so a burst is judged exactly.
         capacity = self.max_pending_seqs
-        if self._num_pending + params.n > capacity:
+        seqs = max(params.n, getattr(params, "best_of", None) or 0)  # best_of > n runs best_of sequences
+        if self._num_pending + seqs > capacity:
             raise QueueFullError(
                 f"the server is overloaded: {self._num_pending} sequences in flight and this request adds "
-                f"{params.n}; the limit is max_num_seqs + max_waiting_requests = {capacity}; retry later"
+                f"{seqs}; the limit is max_num_seqs + max_waiting_requests = {capacity}; retry later"
             )
         self.engine.input_processor.process(prompt)  # raises ValueError on bad input, here and now
         self.engine.resolve_lora(lora_request)  # likewise a bad adapter (known ones are a dict lookup)
@@ -103,7 +104,7 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._count(request_id, params.n)
+        self._count(request_id, seqs)
         self._commands.put(("add", request_id, prompt, params, time.monotonic(), lora_request))
         self._wakeup.set()
         finished = False
