@@ -279,7 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "router":
             from pagedllm.entrypoints.router.server import run_router_command
 
-            return run_router_command(args)
+            # a stop before uvicorn takes over, and the one it re-raises after its graceful stop: exit 0
+            return run_router_command(args, _catch_stop_signals())
         args.stop_requested = _catch_stop_signals()
         args.model = args.model or args.model_pos
         if not args.model and not args.served_model_name:  # the embedded default model

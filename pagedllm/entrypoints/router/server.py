@@ -57,18 +57,21 @@ def router_args_from(args: argparse.Namespace, backends, model: Optional[str], t
     )
 
 
-def serve_router(rargs) -> int:
+def serve_router(rargs, stop_requested=lambda: False) -> int:
+    """Serve until SIGTERM/SIGINT (graceful: in-flight requests get 30 s); exit code 0."""
     import uvicorn
 
     from pagedllm.entrypoints.router.app import build_router_app
 
     app = build_router_app(rargs)
-    uvicorn.run(app, host=rargs.host, port=rargs.port, log_level=rargs.log_level, timeout_keep_alive=5,
-                timeout_graceful_shutdown=30)
+    server = uvicorn.Server(uvicorn.Config(app, host=rargs.host, port=rargs.port, log_level=rargs.log_level,
+                                           timeout_keep_alive=5, timeout_graceful_shutdown=30))
+    if not stop_requested():
+        server.run()
     return 0
 
 
-def run_router_command(args: argparse.Namespace) -> int:
+def run_router_command(args: argparse.Namespace, stop_requested=lambda: False) -> int:
     rargs = router_args_from(args, args.backends, args.model, args.tokenizer, args.served_model_name,
                              args.block_size, args.chat_template)
-    return serve_router(rargs)
+    return serve_router(rargs, stop_requested)

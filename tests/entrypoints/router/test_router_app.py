@@ -172,3 +172,33 @@ def test_oversized_body_is_413_and_models_are_not_counted_as_routed(backends):
         assert sum(r.routed for r in server.state.replicas.replicas) == 0
     finally:
         server.stop()
+
+
+def test_pagedllm_router_command(backends, llama_ckpt):
+    """``pagedllm router`` as users start it: the model's tokenizer, text prompts routed by prefix."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--backends",
+                             *(b.url for b in backends), "--model", llama_ckpt, "--port", str(port),
+                             "--router-health-interval", "0.1", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            try:
+                return CLIENT.get(f"{url}/health").status_code == 200
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stderr.read()
+                return False
+
+        wait_for(up, timeout=60)
+        prompt = " ".join(f"w{i}" for i in range(40))
+        first = complete(url, prompt + " w1").headers["x-pagedllm-replica"]
+        assert all(complete(url, prompt + f" w{q}").headers["x-pagedllm-replica"] == first for q in range(2, 5))
+        assert "pagedllm_router:prefix_routed_requests_total" in CLIENT.get(f"{url}/metrics").text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
