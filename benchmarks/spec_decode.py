@@ -177,6 +177,7 @@ def main() -> None:
                         # rate a) at the cost t_draft + t_verify (this run's step) over t_plain
                         row["predicted"] = round(row["iid_len"] * base["step_ms"] / r["step_ms"], 2)
                 rows.append(row)
+                print(json.dumps(row), flush=True)  # as it comes: a shared machine may cut the run short
                 raw.append({**row, **{k: v for k, v in r.items() if k != "outputs"}})
     print_table(rows, ["workload", "batch", "method", "tok_s", "speedup", "predicted", "step_ms", "draft_ms",
                        "acceptance", "mean_len", "iid_len", "plain_steps", "identical"])
