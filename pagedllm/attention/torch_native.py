@@ -16,6 +16,13 @@ The plan (which rows are decodes, gather indices, masks) is built once per step 
 all layers. Per layer: a sliding window and logit soft-capping (Gemma 2: scores become
 ``cap * tanh(score / cap)`` before the softmax; the kernels take it as an argument, the torch
 paths then compute the scores explicitly instead of through SDPA).
+
+8-bit caches (kv_cache_dtype int8 / fp8, ``kv_scales`` given; attention/kv_quant.py): the write
+quantizes each token's K/V row per kv head (C++ ``write_kv_quant``, else the torch reference);
+the kernels read the 8-bit rows and apply the row scales to the scores and the softmax weights;
+the torch paths dequantize only the blocks they gather. A prefill chunk then always reads its own
+keys back from the cache, so a prefix-cache hit or a recomputation after preemption sees exactly
+what a cold run saw.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.kv_quant import kv_quant
 from pagedllm.config import EngineConfig
+from pagedllm.kernels import cpu as cpu_kernel_module
 from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.worker.worker import KVCacheSpec
 
@@ -29,6 +30,16 @@ def test_config_validation(llama_ckpt):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model=llama_ckpt, kv_cache_dtype="float8")
     assert EngineConfig(model=llama_ckpt, kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
+
+
+def test_latent_attention_refused(make_ckpt):
+    """DeepSeek's one-plane latent cache has no 8-bit form: a clear error at start-up."""
+    extra = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                 n_group=1, topk_group=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+                 qk_nope_head_dim=16, v_head_dim=16)
+    path = make_ckpt("kvq_deepseek", "deepseek_v3", layers=2, kv_heads=4, extra=extra)
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8': multi-head latent attention"):
+        LLM(model=path, dtype="float32", kv_cache_dtype="int8", kv_cache_memory=4 << 20)
 
 
 def test_capacity_at_least_1_9x_bfloat16(make_ckpt):
@@ -65,8 +76,10 @@ def reference(llama_ckpt):
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("cpu_kernels", [True, False])
-def test_logprobs_close_to_full_precision_cache(llama_ckpt, reference, name, cpu_kernels):
+def test_logprobs_close_to_full_precision_cache(monkeypatch, llama_ckpt, reference, name, cpu_kernels):
     prompts, ref = reference
+    if not cpu_kernels:  # kernels loaded earlier in this process would still be used
+        monkeypatch.setattr(cpu_kernel_module, "ready", lambda: None)
     llm = LLM(model=llama_ckpt, dtype="float32", kv_cache_dtype=name, kv_cache_memory=8 << 20, cpu_kernels=cpu_kernels)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=LOGPROBS, use_tqdm=False)
     diffs = []
@@ -88,8 +101,10 @@ def test_logprobs_close_to_full_precision_cache(llama_ckpt, reference, name, cpu
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("cpu_kernels", [True, False])
-def test_prefix_cache_and_preemption_exact(llama_ckpt, name, cpu_kernels):
+def test_prefix_cache_and_preemption_exact(monkeypatch, llama_ckpt, name, cpu_kernels):
     """Warm prefix cache == cold run, forced preemption == none, under the same 8-bit cache."""
+    if not cpu_kernels:
+        monkeypatch.setattr(cpu_kernel_module, "ready", lambda: None)
     shared = random_prompts((96,), seed=9)[0]
     prompts = [shared + p for p in random_prompts((5, 9, 13, 17, 21, 25), seed=10)]
     kw = dict(model=llama_ckpt, dtype="float32", kv_cache_dtype=name, cpu_kernels=cpu_kernels)
