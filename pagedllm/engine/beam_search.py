@@ -9,6 +9,7 @@ tokenizer), and turns the finished hypotheses into one RequestOutput whose ``out
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -119,6 +120,7 @@ class _BeamRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     group: BeamGroup
+    arrival_time: float
 
 
 class BeamRequests:
@@ -137,7 +139,7 @@ class BeamRequests:
                           make_stop_checker(self.tokenizer, sp.stop))
         req = Request(request_id, ids, sp, max_tokens=max_tokens, arrival_time=arrival_time)
         req.beam = group
-        self.requests[request_id] = _BeamRequest(request_id, text, ids, sp, group)
+        self.requests[request_id] = _BeamRequest(request_id, text, ids, sp, group, req.arrival_time)
         return req
 
     def __contains__(self, request_id: str) -> bool:
@@ -156,6 +158,7 @@ class BeamRequests:
         return RequestOutput(br.request_id, br.prompt, br.prompt_token_ids, None, completions, True,
                              num_cached_tokens=out.num_cached_tokens,
                              metrics={"num_generated_tokens": sum(len(h.token_ids) for h in hyps),
+                                      "arrival_time": br.arrival_time, "last_token_time": time.monotonic(),
                                       "beam_scores": [h.score for h in hyps]})
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
