@@ -28,9 +28,8 @@ from pagedllm.quantization.online import OnlineMethod
 
 ONLINE = ("int8", "fp8")
 SUPPORTED_FORMATS = "gptq (4/8-bit), awq (4-bit gemm), compressed-tensors, fp8; on the fly: int8, fp8"
-# Checkpoint tensors that mark a quantized layer, per format.
-_MARKERS = {"gptq": ("qweight",), "awq": ("qweight",), "fp8": ("weight_scale", "weight_scale_inv"),
-            "compressed-tensors": ("weight_packed", "weight_scale")}
+# Checkpoint tensors that mark a quantized layer (compressed-tensors: its config decides, see method_for).
+_MARKERS = {"gptq": ("qweight",), "awq": ("qweight",), "fp8": ("weight_scale", "weight_scale_inv")}
 QUANT_SUFFIXES = frozenset(("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_shape",
                             "weight_zero_point", "weight_g_idx", "weight_scale_inv", "input_scale"))
 
