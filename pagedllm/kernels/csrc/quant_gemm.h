@@ -40,6 +40,7 @@ namespace pagedllm {
 namespace qgemm {
 
 constexpr int64_t kPanel = 16;
+constexpr int64_t kChunk = 256;  // most k summed before a group's scale is applied (even)
 enum Kind : int { kInt8 = 0, kInt4 = 1, kFp8 = 2 };
 
 // An fp8 e4m3fn byte as float, divided by 256 (what the vector paths' fp16 widening yields).
@@ -49,6 +50,14 @@ inline float fp8_over_256(uint8_t b) {
   return (b & 0x80) ? -mag : mag;
 }
 
+inline int64_t chunks_per_group(int64_t gs) { return (gs + kChunk - 1) / kChunk; }
+inline int64_t chunk_begin(int64_t gs, int64_t c) {
+  return (c / chunks_per_group(gs)) * gs + (c % chunks_per_group(gs)) * kChunk;
+}
+inline int64_t chunk_end(int64_t gs, int64_t c) {
+  return std::min(chunk_begin(gs, c) + kChunk, (c / chunks_per_group(gs) + 1) * gs);
+}
+
 struct Weights {  // one prepared weight (see the top of the file)
   int kind;
   const uint8_t* packed;
@@ -56,21 +65,29 @@ struct Weights {  // one prepared weight (see the top of the file)
   const float* zp;  // [P, G, 16] zero points (fp8: z / 256) or null
   int64_t N, K, gs, G;
   int64_t panel_bytes() const { return (kind == kInt4 ? K / 2 : K) * kPanel; }
+  // K is summed in chunks: the groups, cut into pieces of at most kChunk (one group per chunk,
+  // each chunk's sum scaled by its group's scale); xs holds x's sum per row and chunk.
+  int64_t chunks_per_group() const { return qgemm::chunks_per_group(gs); }
+  int64_t chunks() const { return G * chunks_per_group(); }
+  int64_t chunk_begin(int64_t c) const { return qgemm::chunk_begin(gs, c); }
+  int64_t chunk_end(int64_t c) const { return qgemm::chunk_end(gs, c); }
 };
 
 #ifdef PAGEDLLM_AVX512
 constexpr int kR = 4;   // rows of x per microkernel call (2 x kR x kNP accumulators)
 constexpr int kNP = 2;  // panels per call
 constexpr int kNP1 = 4; // panels per call when x has one row
+constexpr int64_t kAhead = 64;  // k (int4: k pairs) a streamed panel is prefetched ahead: 1 KB
 
 inline __m512 codes_i8(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m512 codes_fp8(const uint8_t* p) {  // e4m3 -> fp16 bits (value / 256) -> float32, exact
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return _mm512_cvtph_ps(h);
+// e4m3 -> fp16 bits (value / 256) -> float32, exact: the byte sign-extended to 16 bits and
+// shifted left by 7 puts the sign at bit 15 and exponent and mantissa at bits 7..13 (a copy of
+// the sign at bit 14 is cleared).
+inline __m512 codes_fp8(const uint8_t* p) {
+  const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
 }
 
 // y[i, 0:cols] = tile rows i < R of x (row stride ldx, float32, K) times NP panels of w, group
@@ -87,18 +104,20 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) acc[i][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
+  const int64_t C = w.chunks();
+  for (int64_t c = 0; c < C; ++c) {
     __m512 part[R][NP];
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
       for (int j = 0; j < NP; ++j) part[i][j] = _mm512_setzero_ps();
-    const int64_t k0 = g * w.gs, k1 = k0 + w.gs;
+    const int64_t k0 = w.chunk_begin(c), k1 = w.chunk_end(c), g = c / w.chunks_per_group();
     if constexpr (KIND == kInt4) {
       for (int64_t k = k0; k < k1; k += 2) {
         __m512 lo[NP], hi[NP];
 #pragma GCC unroll 4
         for (int j = 0; j < NP; ++j) {
+          if (k % 8 == 0) _mm_prefetch(reinterpret_cast<const char*>(base + j * pb + (k / 2 + kAhead) * kPanel), _MM_HINT_T0);
           const __m512i v = _mm512_cvtepu8_epi32(
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + j * pb + (k / 2) * kPanel)));
           lo[j] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
@@ -115,8 +134,10 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
       for (int64_t k = k0; k < k1; ++k) {
         __m512 wv[NP];
 #pragma GCC unroll 4
-        for (int j = 0; j < NP; ++j)
+        for (int j = 0; j < NP; ++j) {
+          if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(base + j * pb + (k + kAhead) * kPanel), _MM_HINT_T0);
           wv[j] = KIND == kInt8 ? codes_i8(base + j * pb + k * kPanel) : codes_fp8(base + j * pb + k * kPanel);
+        }
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
           const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
@@ -130,7 +151,7 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
       if (zp != nullptr) {
         const __m512 z = _mm512_loadu_ps(zp + (j * G + g) * kPanel);
 #pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) part[i][j] = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[i * G + g]), part[i][j]);
+        for (int i = 0; i < R; ++i) part[i][j] = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[i * C + c]), part[i][j]);
       }
       const __m512 s = _mm512_loadu_ps(sc + (j * G + g) * kPanel);
 #pragma GCC unroll 8
@@ -145,6 +166,166 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
     for (int i = 0; i < R; ++i) store16(y + i * ldy + j * kPanel, _mm512_add_ps(acc[i][j], b), m);
   }
 }
+
+// Batches of more than kR rows: each chunk of a task's panels is widened once into an L1 buffer
+// (float32, or with bf16 x on AVX512-BF16 exact bf16 codes paired for vdpbf16ps) and every row
+// tile of x multiplies it, instead of widening the codes again for each row tile.
+constexpr int kBR = 8;   // rows per blocked microkernel call
+constexpr int kBNP = 3;  // panels per blocked task
+constexpr int64_t kBW = kBNP * kPanel;  // buffer row width
+
+// The codes of k pair q (k = 2q, 2q + 1) of a panel as two float32 vectors.
+template <int KIND>
+inline void codes_pair(const uint8_t* panel, int64_t q, __m512& even, __m512& odd) {
+  if constexpr (KIND == kInt4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + q * kPanel)));
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else if constexpr (KIND == kInt8) {
+    even = codes_i8(panel + 2 * q * kPanel);
+    odd = codes_i8(panel + (2 * q + 1) * kPanel);
+  } else {
+    even = codes_fp8(panel + 2 * q * kPanel);
+    odd = codes_fp8(panel + (2 * q + 1) * kPanel);
+  }
+}
+
+// Codes of panels [p, p + np) for k in [k0, k1) (both even) into buf: float32 rows of kBW per k,
+// or (PAIRS) int32 rows of kBW per k pair, each lane two bf16 codes (exact: at most 8
+// significant bits), panel j at column 16 j.
+template <int KIND, bool PAIRS>
+void widen_chunk(const Weights& w, int64_t p, int64_t np, int64_t k0, int64_t k1, void* buf) {
+  const int64_t pb = w.panel_bytes();
+  for (int64_t j = 0; j < np; ++j) {
+    const uint8_t* panel = w.packed + (p + j) * pb;
+    for (int64_t q = k0 / 2; q < k1 / 2; ++q) {
+      __m512 e, o;
+      codes_pair<KIND>(panel, q, e, o);
+      if constexpr (PAIRS) {
+        const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(e), 16),
+                                             _mm512_and_si512(_mm512_castps_si512(o), _mm512_set1_epi32(-65536)));
+        _mm512_storeu_si512(static_cast<int32_t*>(buf) + (q - k0 / 2) * kBW + j * kPanel, pair);
+      } else {
+        float* f = static_cast<float*>(buf) + (2 * q - k0) * kBW + j * kPanel;
+        _mm512_storeu_ps(f, e);
+        _mm512_storeu_ps(f + kBW, o);
+      }
+    }
+  }
+}
+
+// c[i, 0:16 NP] += sc (part - zp xs[i]) for one chunk's R x NP partial sums.
+template <int R, int NP>
+inline void add_chunk(const __m512 (&part)[R][NP], float* c, const float* sc, const float* zp, int64_t gstride,
+                      const float* xs, int64_t xstride) {
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const __m512 s = _mm512_loadu_ps(sc + j * gstride);
+    const __m512 z = zp != nullptr ? _mm512_loadu_ps(zp + j * gstride) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      __m512 t = part[i][j];
+      if (zp != nullptr) t = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[i * xstride]), t);
+      float* ci = c + i * kBW + j * kPanel;
+      _mm512_storeu_ps(ci, _mm512_fmadd_ps(t, s, _mm512_loadu_ps(ci)));
+    }
+  }
+}
+
+// part = rows i < R of x (float32, row stride lda) times the float32 buffer, kc k.
+template <int R, int NP>
+inline void bmicro_f32(const float* a, int64_t lda, const float* b, int64_t kc, __m512 (&part)[R][NP]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) part[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 bv[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) bv[j] = _mm512_loadu_ps(b + k * kBW + j * kPanel);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) part[i][j] = _mm512_fmadd_ps(av, bv[j], part[i][j]);
+    }
+  }
+}
+
+#ifdef PAGEDLLM_AVX512_BF16
+// The same with bf16 pairs: a holds rows of x as int32 bf16 pairs (row stride lda pairs), b the
+// paired buffer, kc2 pairs.
+template <int R, int NP>
+inline void bmicro_dp(const int32_t* a, int64_t lda, const int32_t* b, int64_t kc2, __m512 (&part)[R][NP]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) part[i][j] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < kc2; ++q) {
+    __m512bh bv[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + q * kBW + j * kPanel);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(a[i * lda + q]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], av, bv[j]);
+    }
+  }
+}
+#endif
+
+// The blocked product: tasks of kBNP panels, every row, chunk by chunk. xb: x as bf16 pairs
+// (null: float32 arithmetic on xf).
+template <int KIND, typename O>
+void run_blocked(const Weights& w, const float* xf, const int32_t* xb, int64_t M, const float* xs, O* y,
+                 const float* bias) {
+  const int64_t panels = (w.N + kPanel - 1) / kPanel, tasks = (panels + kBNP - 1) / kBNP;
+  const int64_t C = w.chunks(), G = w.G, K = w.K;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < tasks; ++t) {
+    static thread_local std::vector<float> widened;
+    if (widened.size() < static_cast<size_t>(kChunk * kBW)) widened.resize(kChunk * kBW);
+    const int64_t p = t * kBNP, np = std::min<int64_t>(kBNP, panels - p), n0 = p * kPanel;
+    const int64_t cols = std::min(np * kPanel, w.N - n0);
+    float* c = gemm::task_buffer(M * kBW);
+    std::fill(c, c + M * kBW, 0.0f);
+    for (int64_t ch = 0; ch < C; ++ch) {
+      const int64_t k0 = w.chunk_begin(ch), k1 = w.chunk_end(ch), g = ch / w.chunks_per_group();
+      if (xb != nullptr) {
+        widen_chunk<KIND, true>(w, p, np, k0, k1, widened.data());
+      } else {
+        widen_chunk<KIND, false>(w, p, np, k0, k1, widened.data());
+      }
+      const float* sc = w.sc + (p * G + g) * kPanel;
+      const float* zp = w.zp != nullptr ? w.zp + (p * G + g) * kPanel : nullptr;
+      for (int64_t m = 0; m < M; m += kBR) {
+        gemm::upto<kBNP>(np, [&](auto qq) {
+          gemm::upto<kBR>(std::min<int64_t>(kBR, M - m), [&](auto rr) {
+            __m512 part[rr.value][qq.value];
+#ifdef PAGEDLLM_AVX512_BF16
+            if (xb != nullptr) {
+              bmicro_dp<rr.value, qq.value>(xb + m * (K / 2) + k0 / 2, K / 2,
+                                            reinterpret_cast<const int32_t*>(widened.data()), (k1 - k0) / 2, part);
+            } else
+#endif
+            {
+              bmicro_f32<rr.value, qq.value>(xf + m * K + k0, K, widened.data(), k1 - k0, part);
+            }
+            add_chunk<rr.value, qq.value>(part, c + m * kBW, sc, zp, G * kPanel, xs != nullptr ? xs + m * C + ch : nullptr, C);
+          });
+        });
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < np; ++j) {
+        const __mmask16 mk = lanes16(cols - j * kPanel);
+        __m512 v = _mm512_loadu_ps(c + m * kBW + j * kPanel);
+        if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + n0 + j * kPanel, mk));
+        store16(y + m * w.N + n0 + j * kPanel, v, mk);
+      }
+  }
+}
 #elif defined(PAGEDLLM_AVX2)
 constexpr int kR = 3;
 constexpr int kNP = 1;
@@ -156,10 +337,8 @@ inline __m256 codes8(const uint8_t* p) {
   if constexpr (KIND == kInt8) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   } else {
-    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7),
-                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-    return _mm256_cvtph_ps(h);
+    const __m128i s = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));  // as codes_fp8
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(s, 7), _mm_set1_epi16(static_cast<short>(0xBF80))));
   }
 }
 
@@ -174,11 +353,12 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
   __m256 acc[R][H];
   for (int i = 0; i < R; ++i)
     for (int h = 0; h < H; ++h) acc[i][h] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
+  const int64_t C = w.chunks();
+  for (int64_t c = 0; c < C; ++c) {
     __m256 part[R][H];
     for (int i = 0; i < R; ++i)
       for (int h = 0; h < H; ++h) part[i][h] = _mm256_setzero_ps();
-    const int64_t k0 = g * w.gs, k1 = k0 + w.gs;
+    const int64_t k0 = w.chunk_begin(c), k1 = w.chunk_end(c), g = c / w.chunks_per_group();
     if constexpr (KIND == kInt4) {
       for (int64_t k = k0; k < k1; k += 2) {
         __m256 lo[H], hi[H];
@@ -207,7 +387,7 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
       const int64_t off = ((h / 2) * G + g) * kPanel + (h % 2) * 8;
       if (zp != nullptr) {
         const __m256 z = _mm256_loadu_ps(zp + off);
-        for (int i = 0; i < R; ++i) part[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(xs[i * G + g]), part[i][h]);
+        for (int i = 0; i < R; ++i) part[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(xs[i * C + c]), part[i][h]);
       }
       const __m256 s = _mm256_loadu_ps(sc + off);
       for (int i = 0; i < R; ++i) acc[i][h] = _mm256_fmadd_ps(part[i][h], s, acc[i][h]);
@@ -217,8 +397,8 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
   for (int i = 0; i < R; ++i)
     for (int h = 0; h < H; ++h) {
       _mm256_store_ps(tile, acc[i][h]);
-      for (int64_t c = 0; c < 8 && h * 8 + c < cols; ++c)
-        y[i * ldy + h * 8 + c] = from_float<O>(tile[c] + (bias != nullptr ? bias[h * 8 + c] : 0.0f));
+      for (int64_t e = 0; e < 8 && h * 8 + e < cols; ++e)
+        y[i * ldy + h * 8 + e] = from_float<O>(tile[e] + (bias != nullptr ? bias[h * 8 + e] : 0.0f));
     }
 }
 #else
@@ -229,16 +409,17 @@ constexpr int kNP1 = 1;
 template <int KIND, int R, int NP, typename O>
 void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float* xs, O* y, int64_t ldy,
            const float* bias, int64_t cols) {
-  const int64_t pb = w.panel_bytes(), G = w.G;
-  for (int64_t c = 0; c < cols; ++c) {
-    const uint8_t* col = w.packed + (p + c / kPanel) * pb + c % kPanel;
-    const float* sc = w.sc + ((p + c / kPanel) * G) * kPanel + c % kPanel;
-    const float* zp = w.zp != nullptr ? w.zp + ((p + c / kPanel) * G) * kPanel + c % kPanel : nullptr;
+  const int64_t pb = w.panel_bytes(), G = w.G, C = w.chunks();
+  for (int64_t n = 0; n < cols; ++n) {
+    const uint8_t* col = w.packed + (p + n / kPanel) * pb + n % kPanel;
+    const float* sc = w.sc + ((p + n / kPanel) * G) * kPanel + n % kPanel;
+    const float* zp = w.zp != nullptr ? w.zp + ((p + n / kPanel) * G) * kPanel + n % kPanel : nullptr;
     for (int i = 0; i < R; ++i) {
       float acc = 0.0f;
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t g = c / w.chunks_per_group();
         float part = 0.0f;
-        for (int64_t k = g * w.gs; k < (g + 1) * w.gs; ++k) {
+        for (int64_t k = w.chunk_begin(c); k < w.chunk_end(c); ++k) {
           float q;
           if (KIND == kInt8) {
             q = static_cast<float>(static_cast<int8_t>(col[k * kPanel]));
@@ -250,9 +431,9 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
           }
           part += x[i * ldx + k] * q;
         }
-        acc += sc[g * kPanel] * (part - (zp != nullptr ? zp[g * kPanel] * xs[i * G + g] : 0.0f));
+        acc += sc[g * kPanel] * (part - (zp != nullptr ? zp[g * kPanel] * xs[i * C + c] : 0.0f));
       }
-      y[i * ldy + c] = from_float<O>(acc + (bias != nullptr ? bias[c] : 0.0f));
+      y[i * ldy + n] = from_float<O>(acc + (bias != nullptr ? bias[n] : 0.0f));
     }
   }
 }
@@ -260,7 +441,14 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
 
 // The whole product: tasks of np panels (every row of x, kR rows per microkernel call).
 template <int KIND, typename O>
-void run(const Weights& w, const float* x, int64_t M, const float* xs, O* y, const float* bias) {
+void run(const Weights& w, const float* x, const int32_t* xb, int64_t M, const float* xs, O* y, const float* bias) {
+#ifdef PAGEDLLM_AVX512
+  if (M > kR && w.gs % 2 == 0) {
+    run_blocked<KIND>(w, x, xb, M, xs, y, bias);
+    return;
+  }
+#endif
+  (void)xb;
   const int64_t panels = (w.N + kPanel - 1) / kPanel;
   constexpr int NPmax = kNP1 > kNP ? kNP1 : kNP;
   const int64_t np = M == 1 ? kNP1 : kNP;
@@ -275,7 +463,7 @@ void run(const Weights& w, const float* x, int64_t M, const float* xs, O* y, con
       const int64_t r = std::min<int64_t>(kR, M - m);
       gemm::upto<NPmax>(q, [&](auto qq) {
         gemm::upto<kR>(r, [&](auto rr) {
-          micro<KIND, rr.value, qq.value>(w, p, x + m * w.K, w.K, xs != nullptr ? xs + m * w.G : nullptr, y + m * w.N + n0, w.N, b, cols);
+          micro<KIND, rr.value, qq.value>(w, p, x + m * w.K, w.K, xs != nullptr ? xs + m * w.chunks() : nullptr, y + m * w.N + n0, w.N, b, cols);
         });
       });
     }
@@ -304,7 +492,8 @@ inline torch::Tensor pack_quantized_weight(torch::Tensor q) {
 }
 
 // x [M, K] float32 / bf16 as a float32 [M, K] copy in the weight's column order (perm: int64
-// [K], x[:, perm]), and its per-group sums [M, G] when the weight has zero points.
+// [K], x[:, perm]), and its sums per chunk [M, G * chunks_per_group] when the weight has zero
+// points.
 inline std::pair<torch::Tensor, torch::Tensor> gather_input(const torch::Tensor& x, const std::optional<torch::Tensor>& perm,
                                                           int64_t gs, bool sums) {
   const int64_t M = x.size(0), K = x.size(1), G = K / gs;
@@ -326,14 +515,15 @@ inline std::pair<torch::Tensor, torch::Tensor> gather_input(const torch::Tensor&
   }
   torch::Tensor xs;
   if (sums) {
-    xs = torch::empty({M, G}, x.options().dtype(torch::kFloat32));
+    const int64_t C = G * qgemm::chunks_per_group(gs);
+    xs = torch::empty({M, C}, x.options().dtype(torch::kFloat32));
     const float* a = xf.data_ptr<float>();
     float* o = xs.data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t c = 0; c < C; ++c) {
         float s = 0.0f;
-        for (int64_t k = g * gs; k < (g + 1) * gs; ++k) s += a[m * K + k];
-        o[m * G + g] = s;
+        for (int64_t k = qgemm::chunk_begin(gs, c); k < qgemm::chunk_end(gs, c); ++k) s += a[m * K + k];
+        o[m * C + c] = s;
       }
   }
   return {xf, xs};
@@ -380,13 +570,20 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t
                          zeros ? zp->data_ptr<float>() : nullptr, N, K, group_size, G};
   const float* xp = xf.data_ptr<float>();
   const float* xsp = zeros ? xs.data_ptr<float>() : nullptr;
+  // bf16 x of a batch on AVX512-BF16: its bf16 pairs (in the weight's column order) for vdpbf16ps
+  torch::Tensor xb;
+#ifdef PAGEDLLM_AVX512_BF16
+  if (x.scalar_type() == torch::kBFloat16 && M > qgemm::kR && group_size % 2 == 0)
+    xb = (perm.has_value() && perm->defined()) ? xf.to(torch::kBFloat16) : x;  // exact: xf holds bf16 values
+#endif
+  const int32_t* xbp = xb.defined() ? reinterpret_cast<const int32_t*>(xb.data_ptr<c10::BFloat16>()) : nullptr;
   auto go = [&](auto out) {
     if (kind == qgemm::kInt8) {
-      qgemm::run<qgemm::kInt8>(w, xp, M, xsp, out, b);
+      qgemm::run<qgemm::kInt8>(w, xp, xbp, M, xsp, out, b);
     } else if (kind == qgemm::kInt4) {
-      qgemm::run<qgemm::kInt4>(w, xp, M, xsp, out, b);
+      qgemm::run<qgemm::kInt4>(w, xp, xbp, M, xsp, out, b);
     } else {
-      qgemm::run<qgemm::kFp8>(w, xp, M, xsp, out, b);
+      qgemm::run<qgemm::kFp8>(w, xp, xbp, M, xsp, out, b);
     }
   };
   if (x.scalar_type() == torch::kBFloat16) {
