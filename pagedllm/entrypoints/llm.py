@@ -97,7 +97,7 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != n:
                 raise ValueError(f"got {len(loras)} lora requests for {n} prompts")
-        for lr in dict.fromkeys(l for l in loras if l is not None):  # bad adapters: ValueError before anything runs
+        for lr in {id(lr): lr for lr in loras if lr is not None}.values():  # bad ones: ValueError before anything runs
             self.engine.resolve_lora(lr)
         return loras
 
