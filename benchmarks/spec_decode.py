@@ -111,16 +111,16 @@ def run_one(llm, prompts, max_tokens: int) -> dict:
     plain0 = timer.governor.num_plain_steps if timer.governor is not None else 0
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     s0 = llm.get_stats()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s1 = llm.get_stats()
     steps = s1.num_steps - s0.num_steps
     drafts = s1.spec_num_drafts - s0.spec_num_drafts
     proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
     accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(plain_steps=timer.governor.num_plain_steps - plain0 if timer.governor is not None else 0, wall=wall, tokens=n_tok, steps=steps, step_ms=1e3 * wall / max(steps, 1),
+    return dict(plain_steps=timer.governor.num_plain_steps - plain0 if timer.governor is not None else 0, wall=wall, cpu=cpu, tokens=n_tok, steps=steps, step_ms=1e3 * wall / max(steps, 1),
                 draft_ms=1e3 * timer.draft_s / max(steps, 1), drafts=drafts, proposed=proposed, accepted=accepted,
                 outputs=[o.outputs[0].token_ids for o in outs])
 
@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=None, help="subset of none, ngram, draft_model, draft_trim2")
     ap.add_argument("--no-auto-disable", action="store_true", help="speculate in every step (no governor)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1: CPU seconds per token are a load-independent figure on a shared machine)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = ap.parse_args()
 
@@ -145,7 +147,7 @@ def main() -> None:
     if args.no_auto_disable:
         all_methods = {m: c and {**c, "auto_disable": False} for m, c in all_methods.items()}
     chosen = {m: c for m, c in all_methods.items() if args.methods is None or m in args.methods}
-    engines = {m: LLM(model=TARGET, dtype="float32", speculative_config=c, kv_cache_memory=256 << 20,
+    engines = {m: LLM(model=TARGET, dtype="float32", speculative_config=c, kv_cache_memory=256 << 20, cpu_threads=args.threads,
                       max_num_seqs=max(args.batches), enable_prefix_caching=False) for m, c in chosen.items()}
     for workload in args.workloads:
         for batch in args.batches:
@@ -161,6 +163,7 @@ def main() -> None:
                 same = base is None or r["outputs"] == base["outputs"]
                 tok_s = r["tokens"] / r["wall"]
                 row = dict(workload=workload, batch=batch, method=m, tok_s=round(tok_s, 1),
+                           cpu_ms_tok=round(1e3 * r["cpu"] / r["tokens"], 2),
                            step_ms=round(r["step_ms"], 2), draft_ms=round(r["draft_ms"], 2), identical=same)
                 if r["drafts"]:
                     k = args.k_ngram if m == "ngram" else args.k_draft
@@ -172,6 +175,7 @@ def main() -> None:
                                drafted=round(r["drafts"] / max(r["tokens"] / (1 + r["accepted"] / r["drafts"]), 1), 2))
                 if base is not None:
                     row["speedup"] = round(tok_s / (base["tokens"] / base["wall"]), 2)
+                    row["cpu_speedup"] = round((base["cpu"] / base["tokens"]) / (r["cpu"] / r["tokens"]), 2)
                     if r["drafts"]:
                         # the cost model: E(a, k) tokens per step (i.i.d. acceptance at the measured
                         # rate a) at the cost t_draft + t_verify (this run's step) over t_plain
@@ -179,7 +183,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)  # as it comes: a shared machine may cut the run short
                 raw.append({**row, **{k: v for k, v in r.items() if k != "outputs"}})
-    print_table(rows, ["workload", "batch", "method", "tok_s", "speedup", "predicted", "step_ms", "draft_ms",
+    print_table(rows, ["workload", "batch", "method", "tok_s", "speedup", "cpu_ms_tok", "cpu_speedup", "predicted", "step_ms", "draft_ms",
                        "acceptance", "mean_len", "iid_len", "plain_steps", "identical"])
     write_json(args.out, {"args": vars(args), "rows": raw})
 
