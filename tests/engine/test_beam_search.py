@@ -167,3 +167,16 @@ def test_best_of_returns_the_best_mean_logprob(llm):
     assert [c.index for c in best] == [0, 1] and best[0].logprobs is None
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=3, best_of=2)
+
+
+def test_abort_mid_search_frees_every_block(llm):
+    engine, kv = llm.engine, llm.engine.core.kv_cache_manager
+    engine.add_request("gone", {"prompt_token_ids": PROMPTS[1]}, BeamSearchParams(beam_width=4, max_tokens=30,
+                                                                                  ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert len(engine.core.scheduler.running) == 4 and kv.num_free_blocks < kv.num_total_blocks
+    (out,) = engine.abort_request("gone")
+    assert out.finished and len(out.outputs) == 4 and {c.finish_reason for c in out.outputs} == {"abort"}
+    assert [len(c.token_ids) for c in out.outputs] == [5] * 4  # the live beams so far (a token a step), best first
+    assert not engine.has_unfinished_requests() and kv.num_free_blocks == kv.num_total_blocks
