@@ -5,7 +5,8 @@ tensor whose dim 2 is the block dim (a whole cache ``[planes, layers, num_blocks
 kv_heads, head_dim]``, an 8-bit cache's scales ``[planes, layers, num_blocks, block_size,
 kv_heads]``, or one layer's view with a unit layer dim) gets ``cache[:, :, dst] =
 cache[:, :, src]`` for all pairs at once: both planes in one gather + scatter (CPU), or one
-Triton launch (CUDA, contiguous tensors; other views take the gather + scatter). Destinations are fresh
+Triton launch (CUDA: any strides before the block's own elements, so a layer's view of the
+whole cache qualifies). Destinations are fresh
 blocks, never a source of the same step, so the order of the pairs does not matter.
 """
 from __future__ import annotations
@@ -49,9 +50,12 @@ def copy_blocks(caches: Sequence[torch.Tensor], pairs: Sequence[tuple[int, int]]
     for cache in caches:
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=cache.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=cache.device)
-        if cache.device.type == "cuda" and cache.is_contiguous():
-            from pagedllm.attention.triton_block_copy import triton_copy_blocks
+        if cache.device.type == "cuda":
+            from pagedllm.attention.triton_block_copy import block_is_contiguous, triton_copy_blocks
 
-            triton_copy_blocks(cache, src, dst)
+            if block_is_contiguous(cache):
+                triton_copy_blocks(cache, src, dst)
+            else:
+                cache.index_copy_(BLOCK_DIM, dst, cache.index_select(BLOCK_DIM, src))
         else:
             cache.index_copy_(BLOCK_DIM, dst, cache.index_select(BLOCK_DIM, src))

@@ -85,3 +85,23 @@ def test_triton_copy_matches_reference(shape, block, dtype, monkeypatch):
     dst = torch.tensor([p[1] for p in PAIRS], device=device)
     tbc.triton_copy_blocks(cache, src, dst, block=block)  # block 32 < 120 elements: several chunks, a masked tail
     assert torch.equal(cache, ref)
+
+
+def test_triton_copy_on_a_layer_view(monkeypatch):
+    """One layer's strided view of a whole cache (what the runner passes), and MLA's view."""
+    tbc, device = _interpreted_triton()
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    whole = _cache((2, 3, 12, 4, 2, 8), torch.float32).to(device)
+    mla = _cache((1, 3, 12, 4, 1, 24), torch.float32).to(device)
+    ref, ref_mla = whole.clone(), mla.clone()
+    copy_blocks_reference(ref[:, 1:2], PAIRS)
+    copy_blocks_reference(ref_mla[:, 2:3], PAIRS)
+    src = torch.tensor([p[0] for p in PAIRS], device=device)
+    dst = torch.tensor([p[1] for p in PAIRS], device=device)
+    views = layer_cache_planes([_Layer(whole[:, 1]), _Layer(mla[0, 2])])
+    assert not views[0].is_contiguous()  # both planes of one layer: strided
+    for view in views:
+        assert tbc.block_is_contiguous(view)
+        tbc.triton_copy_blocks(view, src, dst, block=16)
+    assert torch.equal(whole, ref) and torch.equal(mla, ref_mla)
