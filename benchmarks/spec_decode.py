@@ -10,12 +10,15 @@ same tokenizer. Workloads (greedy, ignore_eos, fixed max_tokens):
 
 For every (workload, batch, method) the same prompts run back to back ``--rounds`` times; the
 best round counts (the machine is shared). The cost model: with per-token acceptance a and k
-drafts, a verification step emits E = (1 - a^(k+1)) / (1 - a) tokens per request; a plain
-decode step costs t_plain, a speculative one t_draft + t_verify (both measured inside the
-step: the proposer's time and the rest). Predicted speed-up = E_measured * t_plain /
-(t_draft + t_verify), checked against the measured tok/s ratio.
+drafts, a drafted step emits E = (1 - a^(k+1)) / (1 - a) tokens per request if acceptances were
+independent (``iid_len``; ``mean_len`` is what was measured); a fraction ``drafted`` of the
+request-steps had drafts (the others emit 1 token). A plain decode step costs t_plain, a
+speculative one t_draft + t_verify (``draft_ms`` is the proposer's share of ``step_ms``).
+Predicted speed-up = (drafted * mean_len + 1 - drafted) * t_plain / t_spec, checked against the
+measured tok/s ratio (``speedup``; ``cpu_speedup`` is the same from the process's CPU seconds,
+steadier on a shared machine with ``--threads 1``).
 
-    python benchmarks/spec_decode.py --batches 1 32 --max-tokens 128
+    python benchmarks/spec_decode.py --batches 1 32 --max-tokens 96 --threads 1
 """
 from __future__ import annotations
 
@@ -179,7 +182,9 @@ def main() -> None:
                     if r["drafts"]:
                         # the cost model: E(a, k) tokens per step (i.i.d. acceptance at the measured
                         # rate a) at the cost t_draft + t_verify (this run's step) over t_plain
-                        row["predicted"] = round(row["iid_len"] * base["step_ms"] / r["step_ms"], 2)
+                        # (E = 1 in request-steps without drafts: no n-gram match, or the governor's plain steps)
+                        e_eff = row["drafted"] * mean_len + (1 - row["drafted"])
+                        row["predicted"] = round(e_eff * base["step_ms"] / r["step_ms"], 2)
                 rows.append(row)
                 print(json.dumps(row), flush=True)  # as it comes: a shared machine may cut the run short
                 raw.append({**row, **{k: v for k, v in r.items() if k != "outputs"}})

@@ -8,7 +8,8 @@ Speculation pays while E / t_spec >= 1 / t_plain. Both sides are exponential mov
 over decode-only steps (a step with prefill chunks says little about either, and a gap over
 8x the average is the engine idling between requests, not a step); the mode in
 favour runs ``window`` steps, then the other one runs ``probe`` steps so its figure stays
-current (at most probe / (window + probe) of the steps run in the worse mode). Outputs do not
+current (at most probe / (window + probe) of the steps run in the worse mode). The first
+phase is 2 x probe steps, so a short run is not spent in the worse mode. Outputs do not
 depend on the choice: plain and speculative steps sample the same distribution.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ class SpecGovernor:
         self.t_plain: Optional[float] = None
         self.tokens_spec: Optional[float] = None  # E: tokens per request per speculative step
         self.speculate = True  # the current mode
-        self._left = window  # steps left in the current phase
+        self._left = 2 * probe  # steps left in the current phase (the first is short: decide early)
         self._probing = False
         self._last: Optional[tuple[float, bool, bool]] = None  # (start, speculated, decode_only)
         self._pending_tokens: Optional[float] = None
