@@ -244,8 +244,10 @@ def test_errors_say_what_to_fix(hard):
     assert_error(httpx.get(hard.url + "/nope"), 404, code="not_found")
     assert_error(post(hard, "/v1/completions", json={"prompt": PROMPT, "max_tokens": True}), 400,
                  param="max_tokens", code="invalid_type")
+    assert_error(post(hard, "/v1/completions", json={"prompt": PROMPT, "reasoning_effort": "high"}),
+                 400, param="reasoning_effort", code="unsupported_field")
     assert_error(post(hard, "/v1/completions", json={"prompt": PROMPT, "response_format": {"type": "json"}}),
-                 400, param="response_format", code="unsupported_field")
+                 400, param="response_format", code="invalid_type")
 
 
 def test_internal_errors_hide_details(hard):
