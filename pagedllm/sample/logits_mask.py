@@ -33,10 +33,12 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     except ImportError:
         apply_token_bitmask_inplace = None
     if apply_token_bitmask_inplace is not None and logits.dtype == torch.float32 and bitmask.shape[1] * 32 >= width:
-        full = bitmask  # the kernel indexes logits and bitmask with the same row ids
-        if rows.numel() != logits.shape[0]:
-            full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
-            full[rows] = bitmask
+        if rows.numel() == logits.shape[0]:  # every row (rows are 0..B-1): no index list, no host sync
+            apply_token_bitmask_inplace(logits, bitmask, vocab_size=width)
+            return logits
+        # the kernel indexes logits and bitmask with the same row ids: spread the rows out
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32, device=bitmask.device)
+        full[rows] = bitmask
         apply_token_bitmask_inplace(logits, full, vocab_size=width, indices=rows.tolist())
         return logits
     return torch_apply_token_bitmask(logits, rows, bitmask)
