@@ -39,19 +39,22 @@ class SpecDecoder:
         if self.drafter is not None:
             self.drafter.forget(gone | {nr.req_id for nr in so.scheduled_new_reqs})
         decode_only = 0 < len(so.num_spec_slots) == len(so.num_scheduled_tokens)
-        if self.governor is not None and not self.governor.begin_step(decode_only):
-            return None, None
-        if not so.num_spec_slots:
+        speculate = self.governor.begin_step(decode_only) if self.governor is not None else True
+        slots = so.num_spec_slots
+        if slots and not speculate:
+            # A seeded request keeps speculating: how many uniforms its stream gives up per step
+            # must not depend on the governor's timing, or a rerun would sample other tokens.
+            slots = {r: n for r, n in slots.items() if runner.requests[r].sampling_params.seed is not None}
+        if not slots:
             return None, None
         if self.ngram is not None:
             states = runner.requests
-            drafts = self.ngram.propose({r: states[r].token_ids for r in so.num_spec_slots}, so.num_spec_slots)
-            return drafts, None
-        return self.drafter.propose(runner, so)
+            return self.ngram.propose({r: states[r].token_ids for r in slots}, slots), None
+        return self.drafter.propose(runner, so, slots)
 
     def verify(self, runner, inputs, hidden, drafts, draft_probs):
         tokens, logprobs, num_drafts = verify_and_update(runner, inputs, hidden, drafts, draft_probs, self.sampler)
-        if self.governor is not None and len(inputs.sample_rows):
+        if self.governor is not None and self.governor.speculate and len(inputs.sample_rows):
             self.governor.record_tokens(sum(len(tokens[i]) for i in inputs.sample_rows.tolist())
                                         / len(inputs.sample_rows))
         return tokens, logprobs, num_drafts

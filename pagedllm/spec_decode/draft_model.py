@@ -100,8 +100,8 @@ class DraftModelProposer:
         drawn = inverse_cdf(probs, u)
         return torch.where(greedy_rows, logits.argmax(dim=-1), drawn), probs
 
-    def propose(self, runner, so) -> tuple[dict[str, list[int]], Optional[torch.Tensor]]:
-        slots = so.num_spec_slots
+    def propose(self, runner, so, slots: dict[str, int]) -> tuple[dict[str, list[int]], Optional[torch.Tensor]]:
+        """Drafts for the requests in ``slots`` (request id -> draft slots), in batch order."""
         rids = [r for r in so.num_scheduled_tokens if r in slots]
         states = [runner.requests[r] for r in rids]
         k = np.fromiter((min(slots[r], self.k) for r in rids), dtype=np.int64, count=len(rids))
