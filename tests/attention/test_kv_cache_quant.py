@@ -141,3 +141,24 @@ def test_kernel_bfloat16_query_and_large_activations(kernels, name):
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     ref = dense_reference(cache, scales, md, q, table, H, Hkv, D, bs, None)
     torch.testing.assert_close(out.float(), ref, atol=1e4 * 1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("D", [16, 8])
+def test_kernel_widens_every_byte_exactly(kernels, name, D):
+    """All 256 byte patterns (fp8 NaNs aside) as value rows of one-token sequences with scale 1:
+    the decode kernel's output is each row widened, exactly as torch converts it. D 16: the
+    AVX-512 tiles; 8: the AVX2 ones."""
+    spec = kv_quant.kv_quant(name)
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    B = 256 // D
+    v = patterns.view(B, 1, 1, D).view(spec.dtype)  # one block of one token per sequence
+    k = torch.zeros_like(v)
+    scales = torch.ones(B, 1, 1, dtype=torch.bfloat16)
+    out = torch.empty(B, 1, D)
+    kernels.paged_decode_attention(out, torch.zeros(B, 1, D), k, v, torch.arange(B, dtype=torch.int32)[:, None],
+                                   torch.ones(B, dtype=torch.int32), 1.0, 0, 0.0, k_scales=scales, v_scales=scales)
+    expected = v.float().view(B, 1, D)
+    finite = torch.isfinite(expected)
+    assert int((~finite).sum()) == {"int8": 0, "fp8_e4m3": 2, "fp8_e5m2": 8}[name]  # NaNs (and e5m2 infinities)
+    assert torch.equal(out[finite], expected[finite])

@@ -49,10 +49,11 @@ inline __m256 load8(const int8_t* p) {
 inline __m256 load8(const c10::Float8_e5m2* p) {
   return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8));
 }
+// e4m3 byte s eeee mmm -> float16 s 0eeee mmm0000000: shifted to the top, arithmetic-shifted
+// back one (the sign lands in bits 15 and 14), bit 14 cleared.
 inline __m256 load8(const c10::Float8_e4m3fn* p) {
   const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
-                                 _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7f)), 7));
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_slli_epi16(x, 8), 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
   return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 
@@ -134,8 +135,8 @@ inline __m512 load16(const c10::Float8_e5m2* p) {
 }
 inline __m512 load16(const c10::Float8_e4m3fn* p) {
   const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
-                                    _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7f)), 7));
+  const __m256i h =
+      _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(x, 8), 1), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
 }
 // Lanes outside the mask read as 0 and touch no memory.
