@@ -80,4 +80,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each float32 row");
   m.def("sample_rows", &sample_rows,
         "a token per float32 row from softmax(row / temperature) by inverse CDF of one uniform (argmax at temperature 0)");
+  m.def("apply_token_bitmask", &apply_token_bitmask, py::arg("logits"), py::arg("rows"), py::arg("bitmask"),
+        "-inf on logits[rows[r], j] where bit j of the int32 bitmask row r is 0 (structured outputs), in place");
 }

@@ -39,6 +39,7 @@ void argmax_rows(Tensor out, Tensor logits);
 
 // sampling.cpp
 void sample_rows(Tensor out, Tensor logits, Tensor temperature, Tensor uniforms);
+void apply_token_bitmask(Tensor logits, Tensor rows, Tensor bitmask);
 
 // quant_gemm.cpp (quantized weights: quant_gemm.h, quant_gemm_i8.h)
 Tensor pack_quantized_weight(Tensor qweight);

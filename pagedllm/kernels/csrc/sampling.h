@@ -9,7 +9,9 @@
 // seeded, so a seeded request samples the same tokens whatever batch it is in.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 
 #include "vec.h"
 
@@ -114,6 +116,51 @@ inline void sample_rows(torch::Tensor out, torch::Tensor logits, torch::Tensor t
     const float inv_t = 1.f / tp[r];
     const float s = exp_sum(x, V, m, inv_t);
     op[r] = inverse_cdf(x, V, m, inv_t, up[r] * s);
+  }
+}
+
+// Structured outputs: -inf on logits[rows[r], j] wherever bit j of bitmask[r] is 0 (bit j % 32 of
+// int32 word j / 32: xgrammar's layout); ids past the bitmask are disallowed too. Grammars mostly
+// allow or forbid whole words, so an all-ones word costs one compare and the rest are masked
+// stores of -inf (16 lanes per AVX-512 store): the pass is bound by reading the bitmask and
+// writing the forbidden logits, not by the bit tests.
+inline void apply_token_bitmask(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat,
+              "apply_token_bitmask: float32 logits [B, V] with unit column stride");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "apply_token_bitmask: int64 rows [R]");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.stride(1) == 1 &&
+                  bitmask.size(0) == rows.size(0),
+              "apply_token_bitmask: int32 bitmask [R, W], one row per entry of rows");
+  const int64_t B = logits.size(0), V = logits.size(1), ls = logits.stride(0);
+  const int64_t R = rows.size(0), W = bitmask.size(1), bs = bitmask.stride(0);
+  float* L = logits.data_ptr<float>();
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const uint32_t* bits = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(rp[r] >= 0 && rp[r] < B, "apply_token_bitmask: row out of range");
+  const int64_t covered = std::min<int64_t>(V, W * 32);
+#pragma omp parallel for if (R * V >= kParallelElems)
+  for (int64_t r = 0; r < R; ++r) {
+    float* x = L + rp[r] * ls;
+    const uint32_t* b = bits + r * bs;
+    int64_t k = 0;
+#ifdef PAGEDLLM_AVX512
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (; (k + 1) * 32 <= covered; ++k) {
+      const uint32_t w = b[k];
+      if (w == 0xFFFFFFFFu) continue;
+      _mm512_mask_storeu_ps(x + k * 32, static_cast<__mmask16>(~w & 0xFFFFu), ninf);
+      _mm512_mask_storeu_ps(x + k * 32 + 16, static_cast<__mmask16>(~w >> 16), ninf);
+    }
+#endif
+    for (; k * 32 < covered; ++k) {
+      const uint32_t w = b[k];
+      if (w == 0xFFFFFFFFu) continue;
+      const int64_t base = k * 32, n = std::min<int64_t>(32, covered - base);
+      for (int64_t i = 0; i < n; ++i)
+        if (!((w >> i) & 1u)) x[base + i] = -INFINITY;
+    }
+    for (int64_t j = covered; j < V; ++j) x[j] = -INFINITY;
   }
 }
 
