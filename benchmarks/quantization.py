@@ -76,6 +76,8 @@ def layers_only(args) -> list[dict]:
     from pagedllm.kernels import cpu as cpu_kernels
     from pagedllm.quantization import qgemm
 
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the kernels' OpenMP regions follow torch's thread count
     kernels = cpu_kernels.load()
     if kernels is None:
         raise SystemExit("the C++ kernels are not available: nothing to compare")
@@ -191,7 +193,8 @@ def full_model(args) -> list[dict]:
     for fmt in args.formats.split(","):
         path, kw = checkpoint(dense, fmt)
         llm = LLM(model=path, dtype="bfloat16", skip_tokenizer_init=True, enable_prefix_caching=False,
-                  kv_cache_memory=2 << 30, max_num_seqs=max(64, *batches), max_model_len=512, **kw)
+                  kv_cache_memory=2 << 30, max_num_seqs=max(64, *batches), max_model_len=512,
+                  cpu_threads=args.threads, **kw)
         row = {"format": fmt, "weight_MB": round(weight_bytes_per_step(llm.engine.core.executor.worker.model) / 1e6)}
         for b in batches:
             ids = [{"prompt_token_ids": p} for p, _ in random_workload(b, seed=b, prompt_range=(128, 128))]
@@ -230,6 +233,7 @@ def main() -> None:
     ap.add_argument("--layers-only", action="store_true", help="time one decoder layer's matmuls per layer")
     ap.add_argument("--layers", type=int, default=22, help="--layers-only: decoder layers of weights")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--decode-tokens", type=int, default=16, help="full model: decode steps timed per batch")
     ap.add_argument("--requests", type=int, default=64, help="full model: throughput requests (0: skip)")
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
