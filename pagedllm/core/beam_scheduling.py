@@ -139,13 +139,7 @@ def admit(sched: Scheduler, budget: int, only: Optional[set[str]], num_scheduled
         done.append(beam)
     for beam, (_blocks, num_hit), t in zip(beams, hits, plan):
         assert sched.waiting[0] is beam
-        sched.waiting.popleft()
-        sched.kv.record_prefix_lookup(beam.num_tokens, num_hit)
-        sched.running.append(beam)
-        beam.status = RequestStatus.RUNNING
-        beam.num_computed_tokens = num_hit
-        if beam.num_cached_tokens < 0:
-            beam.num_cached_tokens = num_hit
+        sched.admit_waiting_head(beam, num_hit)
         if t:
             num_scheduled[beam.request_id] = t
             new_reqs.append(beam_row_data(sched, beam))

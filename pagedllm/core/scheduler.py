@@ -153,13 +153,7 @@ class Scheduler:
                 if self.kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     self._lora_release(req)
                     break
-                self.waiting.popleft()
-                self.kv.record_prefix_lookup(req.num_tokens, num_hit)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
+                self.admit_waiting_head(req, num_hit)
                 num_scheduled[req.request_id] = num_new
                 budget -= num_new
                 new_reqs.append(self._new_request_data(req))
@@ -272,6 +266,17 @@ class Scheduler:
         if req.lora_slot >= 0:
             self.lora_slots.release(req.lora_slot)
             req.lora_slot = -1
+
+    def admit_waiting_head(self, req: Request, num_hit: int) -> None:
+        """The head of the waiting queue joins the running batch (its slots already allocated),
+        starting after its ``num_hit`` prefix-cache hit tokens."""
+        self.waiting.popleft()
+        self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+        self.running.append(req)
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = num_hit
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit
 
     def _preempt(self, req: Request) -> None:
         if req.beam is not None:  # its whole group goes
