@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler, compute_logprob_table, greedy, inverse_cdf
+from pagedllm.sample.sampler import Sampler, compute_logprob_table, greedy, inverse_cdf, tempered_probs
 
 
 @dataclass
@@ -49,12 +49,7 @@ def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[Opt
     argmax = greedy(logits)
     if md.all_greedy:
         return None, argmax
-    if md.temperature is not None:
-        logits = logits / md.temperature.unsqueeze(1)
-    probs = torch.softmax(logits, dim=-1)
-    if md.min_p is not None:
-        top = probs.max(dim=-1, keepdim=True).values
-        probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+    probs = tempered_probs(logits, md)
     if md.top_k is not None or md.top_p is not None:
         probs = Sampler._top_k_top_p(probs, md.top_k, md.top_p)
     return probs / probs.sum(dim=-1, keepdim=True).clamp_min(1e-30), argmax

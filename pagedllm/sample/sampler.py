@@ -59,6 +59,18 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def tempered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """softmax(logits / temperature) with min_p applied (tokens below min_p x the row's top
+    probability get 0; not renormalised): what top-k/top-p then filter."""
+    if md.temperature is not None:
+        logits = logits / md.temperature.unsqueeze(1)
+    probs = torch.softmax(logits, dim=-1)
+    if md.min_p is not None:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+    return probs
+
+
 def _has_constraints(md: SamplingMetadata) -> bool:
     return (md.bias_rows is not None or md.ban_rows is not None or md.seen_rows is not None
             or md.mask_rows is not None)
@@ -130,12 +142,7 @@ class Sampler:
             kernels.sample_rows(out, logits, temp.contiguous(), u)
             return out
         greedy = logits.argmax(dim=-1) if md.greedy_rows is not None else None
-        if md.temperature is not None:
-            logits = logits / md.temperature.unsqueeze(1)
-        probs = torch.softmax(logits, dim=-1)
-        if md.min_p is not None:
-            top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * top, 0.0)
+        probs = tempered_probs(logits, md)
         if md.top_k is not None and md.top_k_max < probs.shape[1]:
             # Every sampled row has a top-k: filter among the k_max largest, no full sort. The draw
             # walks the survivors in vocabulary order, as the full path does, so one uniform picks
