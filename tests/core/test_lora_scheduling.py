@@ -1,12 +1,13 @@
 """LoRA in the scheduler, without a model: adapter slots (pins, LRU replacement, loads sent to the
 workers), requests waiting for a slot while others run, the per-step adapter cap, and block
 hashes keyed by the adapter's identity."""
-from pagedllm.core.contracts import LoRAHandle, ModelRunnerOutput
+from pagedllm.core.contracts import LoRAHandle
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.lora_slots import AdapterSlots
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.sampling_params import SamplingParams
+from scheduler_steps import fake_step
 
 A, B, C = (LoRAHandle(n, f"{n}:digest-{n}", f"/adapters/{n}") for n in "abc")
 
@@ -22,11 +23,7 @@ def add(s, rid, lora, n_prompt=6, max_tokens=3):
 
 
 def step(s):
-    so = s.schedule()
-    ids = list(so.num_scheduled_tokens)
-    sampled = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
-    s.update_from_output(so, ModelRunnerOutput(ids, sampled))
-    return so
+    return fake_step(s)[0]
 
 
 def adapters_of(s, so):

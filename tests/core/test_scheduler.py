@@ -1,11 +1,11 @@
 """Scheduler without a model: hand-made runner outputs drive update_from_output."""
 from hypothesis import given, settings, strategies as st
 
-from pagedllm.core.contracts import ModelRunnerOutput
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.sampling_params import SamplingParams
+from scheduler_steps import fake_step
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, caching=True):
@@ -18,15 +18,6 @@ def add(s, rid, n_prompt, max_tokens=4, base=0):
     s.add_request(Request(rid, [base + i for i in range(n_prompt)], sp, max_tokens=max_tokens))
 
 
-def fake_step(s):
-    so = s.schedule()
-    ids = list(so.num_scheduled_tokens)
-    sampled = []
-    for rid in ids:
-        req = s.requests[rid]
-        sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-    outs = s.update_from_output(so, ModelRunnerOutput(ids, sampled))
-    return so, outs
 
 
 def run_to_end(s, max_steps=10_000):

@@ -2,11 +2,11 @@
 pool while the request runs (Mistral-style configs), and nothing else about caching changes."""
 from hypothesis import example, given, settings, strategies as st
 
-from pagedllm.core.contracts import ModelRunnerOutput
 from pagedllm.core.kv_cache_manager import OUT_OF_WINDOW, KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.sampling_params import SamplingParams
+from scheduler_steps import fake_step
 
 
 def make(num_blocks, block_size, window, budget=16, caching=True, max_model_len=4096):
@@ -20,11 +20,7 @@ def add(s, rid, n_prompt, max_tokens, base=0):
 
 
 def step(s):
-    so = s.schedule()
-    ids = list(so.num_scheduled_tokens)
-    sampled = [[7] if s.requests[r].num_computed_tokens >= s.requests[r].num_tokens else [] for r in ids]
-    s.update_from_output(so, ModelRunnerOutput(ids, sampled))
-    return so
+    return fake_step(s)[0]
 
 
 def live_blocks(kv, rid):
