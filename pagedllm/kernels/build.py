@@ -9,13 +9,18 @@ processes skip that key with one warning, until the sources or the compiler chan
 ``python -m pagedllm.kernels.cpu`` retries it.
 
 The build is ours, not torch's ``cpp_extension.load``, whose lock file, left behind by a killed
-process, hangs every later one. Each builder compiles in its own temporary directory and
-atomically renames the result into place, so concurrent builders race harmlessly. Translation
+process, hangs every later one. Builders of one key take turns on an ``flock`` of
+``<compiler>.lock`` (the kernel drops it when its holder dies, so a killed builder never blocks
+the next): a process that waited for another's build loads that build instead of compiling the
+same sources again. Each builder still compiles in its own temporary directory and atomically
+renames the result into place, so a builder that gives up waiting races harmlessly. Translation
 units (``csrc/*.cpp``: one per kernel family, plus the pybind module) compile in parallel, one
 per core, and are linked into one extension module.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import hashlib
 import os
@@ -208,12 +213,47 @@ def _clean_stale(d: str) -> None:
             pass
 
 
+@contextlib.contextmanager
+def _turn(lock_path: str, timeout_s: float = _TIMEOUT_S):
+    """Hold the builders' lock of one key; yields True if another builder held it first. After
+    ``timeout_s`` of waiting, go ahead without it (the atomic rename keeps that safe)."""
+    with open(lock_path, "a") as f:
+        waited, deadline, held = False, time.monotonic() + timeout_s, False
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                waited = True
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        try:
+            yield waited
+        finally:
+            if held:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def build(cache_dir: str, level: Level, comp: Compiler, jobs: Optional[int] = None) -> str:
     """Compile and link ``level``'s kernels with ``comp`` into the cache; the path of the .so.
-    A failure is remembered on disk (see the module docstring) and raised as BuildError."""
+    A failure is remembered on disk (see the module docstring) and raised as BuildError. A
+    build another process finished while this one waited for its turn is returned as it is."""
     d = key_dir(cache_dir, level)
     target = os.path.join(d, comp.tag + ".so")
     os.makedirs(d, exist_ok=True)
+    with _turn(os.path.join(d, comp.tag + ".lock")) as waited:
+        if waited:
+            if os.path.exists(target):
+                return target
+            failed = failure(cache_dir, level, comp)
+            if failed is not None:
+                raise BuildError(failed.splitlines()[0])
+        return _build_locked(cache_dir, level, comp, d, target, jobs)
+
+
+def _build_locked(cache_dir: str, level: Level, comp: Compiler, d: str, target: str, jobs: Optional[int]) -> str:
     _clean_stale(d)
     rejected = supports(comp, level)
     if rejected is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -242,3 +243,53 @@ def test_lower_level_builds_and_matches_the_loaded_one(tmp_path, kernels, fake_c
     assert ("avx2" in module.compiled_features) == (level == "avx2")
     print(f"compared {level} ({module.compiled_features}) with {kernels.isa} ({kernels.compiled_features})")
     _same_results(module, kernels)
+
+
+def test_builders_of_one_key_take_turns(tmp_path, monkeypatch):
+    """A process that waited for another's build of the same key loads it instead of compiling
+    the sources again; a remembered failure of that build is raised, not retried."""
+    import threading
+
+    comp = build.Compiler(("c++",), "/usr/bin/c++", "fake 1.0")
+    level = isa.level("avx2")
+    d = build.key_dir(str(tmp_path), level)
+    os.makedirs(d)
+    target = os.path.join(d, comp.tag + ".so")
+    compiled = []
+    monkeypatch.setattr(build, "_build_locked", lambda *a: compiled.append(1) or target)
+    holding, results = threading.Event(), []
+
+    def other_builder():
+        with build._turn(os.path.join(d, comp.tag + ".lock")) as waited:
+            assert not waited
+            holding.set()
+            time.sleep(0.5)
+            with open(target, "w") as f:
+                f.write("built by the other")
+
+    t = threading.Thread(target=other_builder)
+    t.start()
+    holding.wait()
+    results.append(build.build(str(tmp_path), level, comp))
+    t.join()
+    assert results == [target] and compiled == []  # waited, then took the other's build
+    assert build.build(str(tmp_path), level, comp) == target and compiled == [1]  # no one waiting: builds
+
+    os.unlink(target)
+    build._write_atomic(build.failure_path(str(tmp_path), level, comp), "building avx2 failed\ntail\n")
+    with build._turn(os.path.join(d, comp.tag + ".lock")):
+        waiter = []
+        w = threading.Thread(target=lambda: waiter.append(pytest.raises(build.BuildError, build.build, str(tmp_path),
+                                                                        level, comp)))
+        w.start()
+        time.sleep(0.5)
+    w.join()
+    assert "building avx2 failed" in str(waiter[0].value) and compiled == [1]
+
+
+def test_a_builder_gives_up_waiting(tmp_path):
+    lock = str(tmp_path / "x.lock")
+    with build._turn(lock) as first:
+        t0 = time.monotonic()
+        with build._turn(lock, timeout_s=0.3) as second:
+            assert not first and second and time.monotonic() - t0 >= 0.3
