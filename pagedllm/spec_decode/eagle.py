@@ -1,0 +1,259 @@
+"""EAGLE proposer: an EAGLE-1 head (models/eagle.py) over the target's last hidden states
+proposes k tokens autoregressively for every drafted request, batched.
+
+Head position i consumes (token t_{i+1}, target feature f_i) and predicts f_{i+1}, whose LM-head
+logits propose t_{i+2}. Its paged KV cache is addressed like the draft model's: the target's
+block count, block size and block tables (a head block id is the target block id), so the
+scheduler's allocation, rollback, preemption and prefix sharing cover it, and the worker sizes
+both caches inside one memory budget.
+
+Features. After every step (drafted or not) the runner hands over the target's hidden states of
+the positions it newly computed and kept (``observe``: one gather; chunked-prefill rows, the
+last token's row and the accepted drafts' rows; rejected drafts' rows are dropped): they wait,
+per request, until the head consumes them. Invariant per request: the head's KV is valid below
+``head_end``, and the pending features cover exactly positions [head_end, num_computed).
+
+Per drafting step, for the requests with draft slots and pending features (in batch order):
+ 1. one head forward over each request's pending positions [head_end, c) (c = its computed
+    count = N - 1 for a decode), tokens t_{head_end+1}..t_c: the last row's predicted feature
+    proposes d_1 (the token at position N);
+ 2. k - 1 one-token forwards: (d_j, the previous predicted feature) at position c + j - 1 -> d_{j+1}.
+Afterwards head_end = c: positions c..c+k-2 were written from predicted features and are
+recomputed from the target's real ones next time (like a rejected draft's K/V in draft_model).
+
+Prefix-cache hits: the target never computes features for a cached prefix, so a request starts
+with head_end = its first computed count and the head attends to the head K/V already in the
+shared blocks (written by whichever request computed them; a block's last position saw that
+request's next token) -- an approximation that only affects acceptance, never the output.
+Long pending runs (a long prompt's chunks, or decodes while speculation is switched off) are
+consumed early once longer than ``max_pending`` (one head forward, no logits), which bounds
+the features held to about ``max_pending`` x hidden size per request.
+
+Greedy requests take the head's argmax; sampled ones draw from q = softmax(logits / T), returned
+for the rejection sampler (seeded requests draw from their own generator).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.forward_context import set_attention_metadata
+from pagedllm.models.config_json import load_hf_config
+from pagedllm.models.eagle import EagleHead, eagle_checkpoint_names
+from pagedllm.sample.sampler import inverse_cdf
+
+# Target families whose last hidden state / embedding an EAGLE-1 head is defined over.
+EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class EagleProposer:
+    def __init__(self, path: str, num_speculative_tokens: int, target, target_config, dtype: torch.dtype,
+                 device: torch.device, block_size: int, max_pending: int = 512) -> None:
+        arch = type(target).__name__
+        if arch not in EAGLE_TARGETS:
+            raise ValueError(f"speculative_config method 'eagle' supports Llama-family targets {EAGLE_TARGETS}, "
+                             f"not {arch}")
+        self.k = num_speculative_tokens
+        self.device, self.dtype, self.block_size = device, dtype, block_size
+        self.max_pending = max_pending
+        self.target = target
+        hf = load_hf_config(path)
+        for field in ("hidden_size", "vocab_size"):
+            if getattr(hf, field) != getattr(target_config, field):
+                raise ValueError(f"speculative_config.model {path!r}: EAGLE head {field} {getattr(hf, field)} != the "
+                                 f"target's {getattr(target_config, field)} (a head is trained for one target)")
+        if getattr(hf, "num_hidden_layers", 0) < 1:
+            raise ValueError(f"speculative_config.model {path!r}: an EAGLE head needs num_hidden_layers >= 1")
+        names = eagle_checkpoint_names(path)
+        if "fc.weight" not in names:
+            raise ValueError(f"speculative_config.model {path!r} is not an EAGLE-1 head (no fc.weight; EAGLE-3 and "
+                             "Medusa heads are not supported)")
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.head = EagleHead(hf, "embed_tokens.weight" in names, "fc.bias" in names)
+        finally:
+            torch.set_default_dtype(prev)
+        self.head.load(path)
+        self.head.eval()
+        self.embed = self.head.embed_tokens if self.head.embed_tokens is not None else target.model.embed_tokens
+        if device.type == "cpu":
+            from pagedllm.layers.cpu_gemm import pack_linear_weights
+
+            pack_linear_weights(self.head, dtype)
+        self.layers = self.head.attention_layers()
+        a0 = self.layers[0]
+        self.kv_shape = (2, len(self.layers), block_size, a0.num_kv_heads, a0.head_dim)
+        self.head_end: dict[str, int] = {}  # request id -> positions whose head K/V are valid
+        self.pending: dict[str, list[torch.Tensor]] = {}  # request id -> features of [head_end, computed)
+        self.kv_cache: Optional[torch.Tensor] = None
+
+    @property
+    def bytes_per_block(self) -> int:
+        return int(np.prod(self.kv_shape)) * torch.empty((), dtype=self.dtype).element_size()
+
+    def allocate(self, num_blocks: int, backend) -> None:
+        p, nl, bs, h, d = self.kv_shape
+        self.kv_cache = torch.zeros((p, nl, num_blocks, bs, h, d), dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.layers):
+            layer.bind(backend, self.kv_cache[:, i])
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for rid in req_ids:
+            self.head_end.pop(rid, None)
+            self.pending.pop(rid, None)
+
+    # ---- features from the target ------------------------------------------------------------
+    def observe(self, runner, inputs, hidden: torch.Tensor) -> None:
+        """Take the features of the positions this step computed and kept (after the states were
+        updated: rejected drafts are not counted as computed)."""
+        states = inputs.states
+        if not states:
+            return
+        starts = inputs.starts
+        comp = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        n = np.maximum(comp - starts, 0)
+        qsl = inputs.query_start_loc
+        total = int(n.sum())
+        chunks: list = [None] * len(states)
+        if total:
+            row0 = np.repeat(qsl[:-1], n)
+            idx = row0 + np.arange(total) - np.repeat(np.cumsum(n) - n, n)
+            chunks = list(torch.split(hidden[torch.from_numpy(idx).to(hidden.device)], n.tolist()))  # one gather
+        for i, s in enumerate(states):
+            rid = s.req_id
+            if rid not in self.head_end:
+                self.head_end[rid] = int(starts[i])
+                self.pending[rid] = []
+            if n[i]:
+                self.pending[rid].append(chunks[i])
+        if len(self.head_end) > len(runner.requests):  # finished in a step that never proposed
+            self.forget([r for r in self.head_end if r not in runner.requests])
+        long = [s for s in states if s.num_computed_tokens - self.head_end[s.req_id] > self.max_pending]
+        if long:
+            self._consume(long, keep_last=True)
+
+    def _consume(self, states: list, keep_last: bool) -> Optional[torch.Tensor]:
+        """Run the head over each request's pending positions (all but the last with
+        ``keep_last``); the predicted feature of each request's last row, unless ``keep_last``."""
+        bs = self.block_size
+        h = np.fromiter((self.head_end[s.req_id] for s in states), dtype=np.int64, count=len(states))
+        c = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        ends = c - 1 if keep_last else c
+        n = ends - h
+        feats = []
+        for s, m in zip(states, n.tolist()):
+            f = self.pending[s.req_id]
+            f = f[0] if len(f) == 1 else torch.cat(f)
+            feats.append(f[:m])
+            self.pending[s.req_id] = [f[m:]] if keep_last else []
+            self.head_end[s.req_id] += m
+        qsl = np.zeros(len(states) + 1, dtype=np.int64)
+        np.cumsum(n, out=qsl[1:])
+        total = int(qsl[-1])
+        req_of = np.repeat(np.arange(len(states)), n)
+        positions = np.arange(total) - np.repeat(qsl[:-1], n) + np.repeat(h, n)
+        ids = np.fromiter((t for s, a, e in zip(states, h.tolist(), ends.tolist()) for t in s.token_ids[a + 1: e + 1]),
+                          dtype=np.int64, count=total)
+        table = self._table(states)
+        slots = table[req_of, positions // bs].astype(np.int64) * bs + positions % bs
+        out = self._forward(torch.from_numpy(ids).to(self.device), torch.cat(feats), positions, qsl, ends, table, slots)
+        return None if keep_last else out[torch.from_numpy(qsl[1:] - 1).to(self.device)]
+
+    @staticmethod
+    def _table(states) -> np.ndarray:
+        width = max(len(s.block_ids) for s in states)
+        table = np.zeros((len(states), width), dtype=np.int32)
+        for i, s in enumerate(states):
+            table[i, : len(s.block_ids)] = s.block_ids
+        return table
+
+    def _forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: np.ndarray, qsl: np.ndarray,
+                 seq_lens: np.ndarray, table: np.ndarray, slots: np.ndarray) -> torch.Tensor:
+        md = AttentionMetadata.from_host(qsl, seq_lens, table, slots, self.device)
+        with set_attention_metadata(md):
+            return self.head(self.embed(ids), feats, torch.from_numpy(positions).to(self.device))
+
+    # ---- one step's proposals ---------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor, temps: Optional[torch.Tensor], greedy_rows: Optional[torch.Tensor],
+              gens: list, generator: Optional[torch.Generator]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if temps is None:  # every drafted request is greedy
+            return logits.argmax(dim=-1), None
+        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
+        u = torch.rand(len(logits), generator=generator, device=self.device)
+        for row, gen in gens:
+            u[row] = torch.rand(1, generator=gen, device=self.device)[0]
+        return torch.where(greedy_rows, logits.argmax(dim=-1), inverse_cdf(probs, u)), probs
+
+    def _ready(self, state) -> bool:
+        """Whether the request has pending features that cover [head_end, computed) exactly (a
+        mismatch -- which the step bookkeeping should never produce -- restarts the head there)."""
+        rid = state.req_id
+        pending = self.pending.get(rid)
+        if not pending:
+            return False
+        if sum(len(f) for f in pending) == state.num_computed_tokens - self.head_end[rid]:
+            return True
+        self.head_end[rid], self.pending[rid] = state.num_computed_tokens, []
+        return False
+
+    def propose(self, runner, so, slots: dict[str, int]) -> tuple[dict[str, list[int]], Optional[torch.Tensor]]:
+        """Drafts for the requests in ``slots`` that have target features to start from (a
+        request whose first step in this worker is a decode -- a full prefix-cache hit -- has
+        none yet and decodes plainly this step), in batch order."""
+        rids = [r for r in so.num_scheduled_tokens if r in slots and self._ready(runner.requests[r])]
+        if not rids:
+            return {}, None
+        states = [runner.requests[r] for r in rids]
+        k = np.fromiter((min(slots[r], self.k) for r in rids), dtype=np.int64, count=len(rids))
+        c = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        sps = [s.sampling_params for s in states]
+        greedy = [sp.is_greedy for sp in sps]
+        temps = greedy_rows = None
+        gens: list = []
+        if not all(greedy):
+            temps = torch.tensor([1.0 if g else sp.temperature for g, sp in zip(greedy, sps)], device=self.device)
+            greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=self.device)
+            gens = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None and not greedy[i]]
+        generator = runner.sampler.generator if runner.sampler is not None else None
+        compute_logits = self.target.compute_logits
+
+        # 1. Catch up on the pending features; each last row proposes d_1.
+        feat = self._consume(states, keep_last=False)
+        tok, probs = self._pick(compute_logits(feat).float(), temps, greedy_rows, gens, generator)
+        k_max = int(k.max())
+        grid = torch.zeros((len(states), k_max), dtype=torch.long, device=self.device)
+        grid[:, 0] = tok
+        prob_grid = None
+        if probs is not None:
+            prob_grid = torch.zeros((len(states), k_max, probs.shape[1]), device=self.device)
+            prob_grid[:, 0] = probs
+        # 2. One token at a time: (d_j, predicted feature) in at position c + j - 1, d_{j+1} out.
+        table = self._table(states)
+        bs = self.block_size
+        for j in range(1, k_max):
+            act = np.nonzero(k > j)[0]
+            act_t = torch.from_numpy(act).to(self.device)
+            pos = c[act] + j - 1
+            slots_j = table[act, pos // bs].astype(np.int64) * bs + pos % bs
+            feat[act_t] = self._forward(grid[act_t, j - 1], feat[act_t], pos, np.arange(len(act) + 1, dtype=np.int64),
+                                        pos + 1, table[act], slots_j)
+            row_of = {r: i for i, r in enumerate(act.tolist())}
+            sub_gens = [(row_of[r], g) for r, g in gens if r in row_of]
+            tok, probs = self._pick(compute_logits(feat[act_t]).float(), None if temps is None else temps[act_t],
+                                    None if greedy_rows is None else greedy_rows[act_t], sub_gens, generator)
+            grid[act_t, j] = tok
+            if prob_grid is not None:
+                prob_grid[act_t, j] = probs
+        grid_l = grid.tolist()
+        drafts = {r: grid_l[i][: int(k[i])] for i, r in enumerate(rids)}
+        flat_probs = None
+        if prob_grid is not None:
+            req_idx = np.repeat(np.arange(len(rids)), k)
+            pos_idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+            flat_probs = prob_grid[torch.from_numpy(req_idx).to(self.device), torch.from_numpy(pos_idx).to(self.device)]
+        return drafts, flat_probs
