@@ -50,6 +50,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell workers next step
         self._rewound_ids: set[str] = set()  # preempted by rewind(): workers drop them next step
         self._sent_to_workers: set[str] = set()
+        self.in_flight: set[str] = set()  # pipeline parallel: in a batch whose output is not back (not scheduled)
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_steps = 0
@@ -59,6 +60,9 @@ class Scheduler:
         self._dropped_blocks: dict[str, int] = {}  # speculative decoding: tail block ids workers must drop
         self.spec_stats = [0, 0, 0]  # rows with drafts, drafts, accepted drafts
         self.spec_accepted_per_pos = [0] * limits.num_spec_tokens
+        # speculative decoding: a spec_decode SpecGovernor (set by the engine core when auto_disable is on);
+        # it says per step whether decoding requests get draft slots at all
+        self.spec_governor = None
 
     # ---- admission --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -85,6 +89,9 @@ class Scheduler:
         block_copies: list[tuple[int, int]] = []  # beam search copy-on-write
         step_loras: set[str] = set()  # adapters this step runs (capped at max_loras_per_step)
         spec_slots: dict[str, int] = {}
+        gov = self.spec_governor if self.limits.num_spec_tokens else None
+        speculate = gov.plan(len(self.running)) if gov is not None else True
+        num_plain_decodes = 0  # decoding requests the governor kept plain this step
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -95,7 +102,7 @@ class Scheduler:
                 if stop:
                     break
                 continue
-            if only is not None and req.request_id not in only:
+            if (only is not None and req.request_id not in only) or req.request_id in self.in_flight:
                 i += 1
                 continue
             num_new = self._num_new_tokens(req, budget)
@@ -103,6 +110,10 @@ class Scheduler:
                 i += 1
                 continue
             spec = self._spec_slots(req, num_new, budget)
+            if spec and not speculate and req.sampling_params.seed is None:
+                # A plain step reserves nothing. Seeded requests speculate regardless: how many
+                # uniforms their stream gives up per step must not depend on the governor's timing.
+                spec, num_plain_decodes = 0, num_plain_decodes + 1
             num_new += spec
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
@@ -139,8 +150,8 @@ class Scheduler:
                     if verdict == beam_scheduling.BLOCKED:
                         break
                     continue
-                if only is not None and req.request_id not in only:
-                    skipped.append(self.waiting.popleft())
+                if (only is not None and req.request_id not in only) or req.request_id in self.in_flight:
+                    skipped.append(self.waiting.popleft())  # in_flight: preempted while its batch runs
                     continue
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
@@ -181,6 +192,9 @@ class Scheduler:
         )
         self._finished_ids.clear()
         self._rewound_ids.clear()
+        if gov is not None:  # measurable: only decodes, all speculating or none
+            only_decodes = total and len(num_scheduled) == len(spec_slots) + num_plain_decodes
+            gov.scheduled(None if not only_decodes or (spec_slots and num_plain_decodes) else bool(spec_slots))
         return out
 
     def _cap(self, num_new: int, budget: int) -> int:
@@ -296,6 +310,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        spec_rows = spec_tokens = spec_drafts = 0  # for the governor
         if runner_output.beam_candidates:  # beam groups advance (their rows sample nothing)
             outputs.extend(beam_scheduling.apply_candidates(self, runner_output))
         for idx, rid in enumerate(runner_output.req_ids):
@@ -307,6 +322,7 @@ class Scheduler:
             if reserved and sampled:
                 drafts = runner_output.num_draft_tokens[idx] if runner_output.num_draft_tokens is not None else 0
                 self._spec_settle(req, reserved, drafts, len(sampled))
+                spec_rows, spec_tokens, spec_drafts = spec_rows + 1, spec_tokens + len(sampled), spec_drafts + drafts
             prompt_lp = runner_output.prompt_logprobs.get(rid)
             if not sampled:
                 if prompt_lp is not None:
@@ -333,6 +349,8 @@ class Scheduler:
                     num_cached_tokens=max(req.num_cached_tokens, 0),
                 )
             )
+        if self.spec_governor is not None and self.limits.num_spec_tokens:
+            self.spec_governor.verified(spec_tokens / spec_rows if spec_rows else 1.0, spec_drafts)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:

@@ -1,7 +1,16 @@
-"""EngineCore: schedule -> execute -> update, over the scheduler, KV cache manager and executor."""
+"""EngineCore: schedule -> execute -> update, over the scheduler, KV cache manager and executor.
+
+Pipeline parallelism (P stages): a step's batch occupies one stage at a time, so the engine keeps
+up to P batches in flight (``_step_pipelined``): it schedules and submits batches while fewer
+than P are out, and otherwise collects the oldest one's output. With P batches out every stage
+has one to work on in the steady state; more would only queue at stage 0, fewer leaves a stage
+idle. A request in a batch in flight is not scheduled again until that batch's output is back
+(its next token is not known yet); outputs are applied in submission order.
+"""
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
 from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
@@ -44,7 +53,14 @@ class EngineCore:
             **_spec_limits(config),
         )
         self.scheduler = Scheduler(limits, self.kv_cache_manager)
+        spec = config.speculative_config
+        if spec is not None and spec.auto_disable:  # plain steps while measured costs say speculation loses
+            from pagedllm.spec_decode.governor import SpecGovernor
+
+            self.scheduler.spec_governor = SpecGovernor()
         self.structured = None  # StructuredOutputs, set by the LLMEngine (it needs the tokenizer)
+        self.pp_size = config.pipeline_parallel_size
+        self._batch_queue: deque = deque()  # pipeline parallel: submitted SchedulerOutputs, oldest first
 
     def _make_executor(self) -> Executor:
         args = (self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
@@ -52,7 +68,7 @@ class EngineCore:
             from pagedllm.executor.ray_executor import RayExecutor
 
             return RayExecutor(*args)
-        if self.config.tensor_parallel_size > 1:
+        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
             from pagedllm.executor.multiproc import MultiprocExecutor
 
             return MultiprocExecutor(*args)
@@ -70,6 +86,8 @@ class EngineCore:
                 f"prompt is {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}: "
                 "there is no room to generate a token"
             )
+        if self.pp_size > 1 and getattr(request, "beam", None) is not None:
+            raise ValueError("beam search does not support pipeline_parallel_size > 1 yet")
         if request.sampling_params.structured_outputs is not None:
             if self.structured is None:
                 raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
@@ -85,7 +103,8 @@ class EngineCore:
         return compiling + self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.structured is not None and self.structured.compiling)
+        return (self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
+                or bool(self.structured is not None and self.structured.compiling))
 
     def _execute(self, so):
         grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
@@ -101,6 +120,8 @@ class EngineCore:
         admitted: list[EngineCoreOutput] = []
         if self.structured is not None and self.structured.compiling:
             admitted = self.structured.admit(self.scheduler, idle=not self.scheduler.has_unfinished_requests())
+        if self.pp_size > 1:
+            return admitted + self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         try:
             runner_output = self._execute(scheduler_output)
@@ -111,6 +132,27 @@ class EngineCore:
                              len(scheduler_output.num_scheduled_tokens))
             return admitted + self._isolate(scheduler_output)
         return admitted + self._update(scheduler_output, runner_output)
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Submit a new batch while fewer than pipeline_parallel_size are in flight; else (or
+        when nothing new can be scheduled) collect the oldest batch's output. A failure here is
+        the engine's: the stages are out of step, so no request is retried."""
+        queue = self._batch_queue
+        if len(queue) < self.pp_size:
+            so = self.scheduler.schedule()
+            if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+                grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
+                self.executor.submit(so, grammar)
+                queue.append(so)
+                self.scheduler.in_flight.update(so.num_scheduled_tokens)
+                if so.num_scheduled_tokens and len(queue) < self.pp_size:
+                    return []  # room for another batch: its output is collected later
+        if not queue:
+            return []
+        so = queue.popleft()
+        runner_output = self.executor.collect()
+        self.scheduler.in_flight.difference_update(so.num_scheduled_tokens)
+        return self._update(so, runner_output)
 
     def _isolate(self, failed) -> list[EngineCoreOutput]:
         """A step raised: one request's input is the likely cause, so only it should fail. Its

@@ -1,16 +1,38 @@
 """When speculating loses, stop: a per-step choice between speculative and plain decoding from
 measured costs (the cost model of benchmarks/spec_decode.py, kept up to date online).
 
+The engine core gives it to the scheduler (``Scheduler.spec_governor``), which asks it once per
+step, before scheduling, whether decoding requests get draft slots: a plain step reserves none
+(no KV slots allocated and rolled back, no draft-model forward, no budget spent on drafts).
+
 A decode step of a request yields 1 token plainly and E tokens speculatively (1 + the accepted
-drafts, measured). A step costs t_plain or t_spec (wall time between consecutive steps, which
-includes the draft model's forwards, the wider verification forward and the engine's overhead).
-Speculation pays while E / t_spec >= 1 / t_plain. Both sides are exponential moving averages
-over decode-only steps (a step with prefill chunks says little about either, and a gap over
-8x the average is the engine idling between requests, not a step); the mode in
-favour runs ``window`` steps, then the other one runs ``probe`` steps so its figure stays
-current (at most probe / (window + probe) of the steps run in the worse mode). The first
-phase is 2 x probe steps, so a short run is not spent in the worse mode. Outputs do not
-depend on the choice: plain and speculative steps sample the same distribution.
+drafts, measured). A step costs t_plain or t_spec: the wall time from one step's scheduling to
+the next one's, which includes the draft model's forwards, the wider verification forward and
+the engine's own per-step work. Speculation pays while E / t_spec >= 1 / t_plain.
+
+Both costs depend on the batch: a forward of 32 requests x (k + 1) tokens is no longer
+overhead-bound the way one of 1 x (k + 1) is. So every figure is kept per batch-size bucket
+(1, 2-3, 4-7, 8-15, 16-31, 32-63, ...), and each bucket decides on its own: speculation turns
+itself off above the batch size where it stops paying (``disabled_buckets``), measured, not
+configured.
+
+Per bucket: the first ``probe`` steps speculate, the next ``probe`` decode plainly (both figures
+known), then the better mode runs ``window`` steps and the other one is probed for ``probe``
+steps so its figure stays current. A probe that confirms the mode in favour doubles that
+bucket's window (up to ``max_window``); one that overturns it resets it. Figures are
+exponential moving averages over measurable steps only: every scheduled request was decoding
+(a prefill chunk says little about either mode), and all of them speculated or none did.
+
+Free plain samples: a speculative step in which no request got a draft (the n-gram lookup found
+nothing) cost what a plain step costs; it counts as one, and a plain probe is skipped when
+enough of those came in since the last one.
+
+Idle time is not a step: when the engine returns from a step and the next one starts much later
+(no requests, or the caller was busy), that interval is dropped.
+
+Outputs never depend on the choice: plain and speculative steps sample the same distribution,
+and seeded requests speculate in every step regardless (the scheduler's rule), so their random
+streams do not depend on timing.
 """
 from __future__ import annotations
 
@@ -18,57 +40,135 @@ import time
 from typing import Optional
 
 
-class SpecGovernor:
-    def __init__(self, window: int = 32, probe: int = 4, decay: float = 0.8) -> None:
-        self.window, self.probe, self.decay = window, probe, decay
+class _Bucket:
+    __slots__ = ("t_spec", "t_plain", "tokens_spec", "n_spec", "n_plain", "speculate", "left", "probing",
+                 "window", "free_plain", "speculate_before")
+
+    def __init__(self, window: int) -> None:
         self.t_spec: Optional[float] = None
         self.t_plain: Optional[float] = None
-        self.tokens_spec: Optional[float] = None  # E: tokens per request per speculative step
-        self.speculate = True  # the current mode
-        self._left = 2 * probe  # steps left in the current phase (the first is short: decide early)
-        self._probing = False
-        self._last: Optional[tuple[float, bool, bool]] = None  # (start, speculated, decode_only)
-        self._pending_tokens: Optional[float] = None
-        self.num_plain_steps = 0  # decode steps run plainly (for statistics and tests)
+        self.tokens_spec: Optional[float] = None  # E: tokens per decoding request per speculative step
+        self.n_spec = 0  # measured steps of each mode
+        self.n_plain = 0
+        self.speculate = True
+        self.left = 0  # steps left in the current phase
+        self.probing = True  # the learning steps count as a probe of both modes
+        self.window = window
+        self.free_plain = 0  # plain samples from draftless speculative steps since the last plain probe
+        self.speculate_before: Optional[bool] = None  # the mode in favour when the current probe began
 
+
+def bucket_of(batch_size: int) -> int:
+    """0 for 1 request, 1 for 2-3, 2 for 4-7, ... (powers of two)."""
+    return max(batch_size, 1).bit_length() - 1
+
+
+class SpecGovernor:
+    def __init__(self, window: int = 32, probe: int = 4, decay: float = 0.8, max_window: int = 256) -> None:
+        self.window, self.probe, self.decay, self.max_window = window, probe, decay, max_window
+        self.buckets: dict[int, _Bucket] = {}
+        self.num_plain_steps = 0  # steps planned plain (statistics and tests)
+        self.num_spec_steps = 0
+        # the step in flight: (start time, bucket, mode "spec"/"plain"/None = not measurable)
+        self._step: Optional[tuple[float, int, Optional[str]]] = None
+        self._done_at: Optional[float] = None  # when the engine finished the step in flight
+        self._tokens: Optional[float] = None  # E of the step in flight (speculative steps)
+
+    # ---- the decision -----------------------------------------------------------------------
     def _ema(self, old: Optional[float], new: float) -> float:
         return new if old is None else self.decay * old + (1 - self.decay) * new
 
-    def record_tokens(self, tokens_per_row: float) -> None:
-        """The speculative step just verified emitted this many tokens per drafted request."""
-        self._pending_tokens = tokens_per_row
-
-    @property
-    def speculation_pays(self) -> bool:
-        if self.t_spec is None or self.t_plain is None or self.tokens_spec is None:
+    @staticmethod
+    def _pays(b: _Bucket) -> bool:
+        if b.t_spec is None or b.t_plain is None or b.tokens_spec is None:
             return True
-        return self.tokens_spec / self.t_spec >= 1.0 / self.t_plain
+        return b.tokens_spec / b.t_spec >= 1.0 / b.t_plain
 
-    def begin_step(self, decode_only: bool, now: Optional[float] = None) -> bool:
-        """Called at the start of every step with draft slots: speculate in it?"""
+    def speculation_pays(self, batch_size: int) -> bool:
+        b = self.buckets.get(bucket_of(batch_size))
+        return True if b is None else self._pays(b)
+
+    def disabled_buckets(self) -> list[tuple[int, int]]:
+        """Batch-size ranges (lo, hi) whose measurements say speculation loses."""
+        return [(1 << i, (1 << (i + 1)) - 1) for i, b in sorted(self.buckets.items())
+                if b.n_spec and b.n_plain and not self._pays(b)]
+
+    def plan(self, batch_size: int, now: Optional[float] = None) -> bool:
+        """Called before scheduling each step that may decode ``batch_size`` requests: do they
+        speculate? (Closes the measurement of the step before.)"""
         now = time.perf_counter() if now is None else now
-        if self._last is not None:
-            start, spec, was_decode = self._last
-            dt = now - start
-            ref = self.t_spec if spec else self.t_plain
-            if was_decode and (ref is None or dt < 8 * ref):  # a much longer gap: the engine was idle
-                if spec and self._pending_tokens is not None:
-                    self.t_spec = self._ema(self.t_spec, dt)
-                    self.tokens_spec = self._ema(self.tokens_spec, self._pending_tokens)
-                elif not spec:
-                    self.t_plain = self._ema(self.t_plain, dt)
-        self._pending_tokens = None
-        self._left -= 1
-        if self._left <= 0:
-            if self._probing:  # probe over: the better mode runs the next window
-                self._probing = False
-                self.speculate = self.speculation_pays
-                self._left = self.window
-            else:  # window over: probe the other mode
-                self._probing = True
-                self.speculate = not self.speculate
-                self._left = self.probe
-        self._last = (now, self.speculate, decode_only)
-        if not self.speculate:
+        self._close(now)
+        key = bucket_of(batch_size)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = _Bucket(self.window)
+        if b.n_spec < self.probe:  # learn both costs first: speculative ...
+            spec = True
+        elif b.n_plain < self.probe:  # ... then plain
+            spec = False
+        else:
+            if b.left <= 0:
+                self._next_phase(b)
+            b.left -= 1
+            spec = b.speculate
+        self._step = (now, key, None)
+        return spec
+
+    def _next_phase(self, b: _Bucket) -> None:
+        pays = self._pays(b)
+        if b.probing:  # a probe just ended: the better mode runs the next window, longer if it was confirmed
+            b.window = min(2 * b.window, self.max_window) if pays == b.speculate_before else self.window
+            b.probing, b.speculate, b.left = False, pays, b.window
+            return
+        if pays and b.free_plain >= self.probe:  # plain's figure is current without a probe
+            b.free_plain, b.speculate, b.left = 0, True, b.window
+            return
+        if pays:
+            b.free_plain = 0
+        b.speculate_before = pays
+        b.probing, b.speculate, b.left = True, not pays, self.probe
+
+    def scheduled(self, speculated: Optional[bool]) -> None:
+        """What the step planned last turned out to be: True / False when every scheduled
+        request was decoding and all speculated / none did, None when it is not measurable
+        (prefill chunks, a mix, an empty step)."""
+        if self._step is not None:
+            start, key, _ = self._step
+            self._step = (start, key, None if speculated is None else ("spec" if speculated else "plain"))
+        if speculated is True:
+            self.num_spec_steps += 1
+        elif speculated is False:
             self.num_plain_steps += 1
-        return self.speculate
+
+    def verified(self, tokens_per_request: float, num_drafts: int, now: Optional[float] = None) -> None:
+        """The step's results: tokens emitted per decoding request, and how many drafts were
+        verified in all (0 in a speculative step: it cost what a plain step costs)."""
+        self._done_at = time.perf_counter() if now is None else now
+        if self._step is None or self._step[2] != "spec":
+            return
+        if num_drafts == 0:
+            self._step = (self._step[0], self._step[1], "free_plain")
+        else:
+            self._tokens = tokens_per_request
+
+    def _close(self, now: float) -> None:
+        step, done, tokens = self._step, self._done_at, self._tokens
+        self._step = self._done_at = self._tokens = None
+        if step is None or step[2] is None or done is None:
+            return
+        start, key, mode = step
+        busy, dt = done - start, now - start
+        if now - done > max(2e-3, 2 * busy):  # the engine sat idle after the step: not its cost
+            return
+        b = self.buckets[key]
+        if mode == "spec":
+            if tokens is None:
+                return
+            b.t_spec = self._ema(b.t_spec, dt)
+            b.tokens_spec = self._ema(b.tokens_spec, tokens)
+            b.n_spec += 1
+        else:
+            b.t_plain = self._ema(b.t_plain, dt)
+            b.n_plain += 1
+            if mode == "free_plain":
+                b.free_plain += 1

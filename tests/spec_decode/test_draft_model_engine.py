@@ -16,7 +16,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def spec(draft, k=3, **kw):
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, **kw}
+    # auto_disable off: the governor's timing-driven plain steps would make the draft counts vary
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "auto_disable": False, **kw}
 
 
 def run(path, prompts, params=GREEDY, speculative_config=None, **kw):

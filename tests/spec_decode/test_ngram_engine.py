@@ -7,7 +7,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# auto_disable off: the governor's timing-driven plain steps would make the draft counts below vary
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "auto_disable": False}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -140,5 +142,5 @@ def test_bad_config_is_a_clear_error(llama_ckpt):
         LLM(model=llama_ckpt, speculative_config={"method": "medusa", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="unknown field"):
         LLM(model=llama_ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "k": 1})
-    with pytest.raises(ValueError, match="eagle"):
-        LLM(model=llama_ckpt, speculative_config={"method": "eagle", "model": llama_ckpt})
+    with pytest.raises(ValueError, match="checkpoint directory with a config.json for method 'eagle'"):
+        LLM(model=llama_ckpt, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
