@@ -27,8 +27,9 @@ _SPEC_METHODS = ("ngram", "draft_model", "eagle")
 class SpeculativeConfig:
     """Speculative decoding (``speculative_config`` as a dict or JSON text): ``method`` "ngram"
     (prompt lookup: the tokens that followed the last earlier occurrence of the sequence's final
-    n-gram, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) or "draft_model" (a
-    smaller ``model`` with the same vocabulary); ``num_speculative_tokens`` drafts per step,
+    n-gram, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``), "draft_model" (a
+    smaller ``model`` with the same vocabulary) or "eagle" (an EAGLE-1 head ``model`` over the
+    target's last hidden states, spec_decode/eagle.py); ``num_speculative_tokens`` drafts per step,
     verified in one target forward; ``disable_by_batch_size``: no drafts in steps whose running
     batch is at least this large; ``auto_disable``: decode plainly while the measured costs say
     speculation loses."""
@@ -44,8 +45,6 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {_SPEC_METHODS}, got {self.method!r}")
-        if self.method == "eagle":
-            raise ValueError("speculative_config.method 'eagle' is not implemented yet: use 'ngram' or 'draft_model'")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens must be in 1..16, got "
                              f"{self.num_speculative_tokens}")
@@ -59,7 +58,7 @@ class SpeculativeConfig:
                                  f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         elif not self.model or not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError("speculative_config.model must be a checkpoint directory with a config.json for "
-                             f"method 'draft_model', got {self.model!r}")
+                             f"method {self.method!r}, got {self.model!r}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
@@ -82,7 +81,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(names)}")
         if "method" not in value:
-            raise ValueError("speculative_config.method is required ('ngram' or 'draft_model')")
+            raise ValueError("speculative_config.method is required ('ngram', 'draft_model' or 'eagle')")
         return cls(**value)
 
 

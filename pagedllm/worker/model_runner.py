@@ -67,10 +67,13 @@ class ModelRunner:
         beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler)  # takes the beam rows out of sampling
         if drafts is not None:  # speculative decoding: every drafted position verified at once
             lists, logprobs, num_drafts = self.spec.verify(self, inputs, hidden, drafts, draft_probs)
+            self.spec.observe(self, inputs, hidden)
             return ModelRunnerOutput(inputs.req_ids, lists, logprobs, prompt_logprobs, num_draft_tokens=num_drafts,
                                      beam_candidates=beams)
         sampled, logprobs = self._sample(inputs, hidden, grammar)
         sampled_lists = self._update_states(inputs, sampled)
+        if self.spec is not None:  # EAGLE: the target's hidden states of the computed positions
+            self.spec.observe(self, inputs, hidden)
         return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs, beam_candidates=beams)
 
     # ---- 1. state diffs ---------------------------------------------------------------------

@@ -190,13 +190,22 @@ class Worker:
 
     def _make_drafter(self):
         spec = self.config.speculative_config
-        if spec is None or spec.method != "draft_model":
+        if spec is None or spec.method not in ("draft_model", "eagle"):
             return None
         if get_tp_group().world_size > 1:
-            raise ValueError("speculative_config method 'draft_model' does not support tensor parallelism yet "
+            raise ValueError(f"speculative_config method {spec.method!r} does not support tensor parallelism yet "
                              "(use 'ngram', or tensor_parallel_size=1)")
-        if self.kv_sliding_window is not None:
-            raise ValueError("speculative_config method 'draft_model' does not support sliding-window targets yet")
+        if self.kv_sliding_window is not None or any(getattr(a, "sliding_window", None)
+                                                     for a in self.model.attention_layers()):
+            raise ValueError(f"speculative_config method {spec.method!r} does not support sliding-window targets yet")
+        if spec.method == "eagle":
+            if self.kv_spec.planes != 2:
+                raise ValueError("speculative_config method 'eagle' does not support multi-head latent attention "
+                                 "targets (an EAGLE-1 head is defined over Llama-family targets)")
+            from pagedllm.spec_decode.eagle import EagleProposer
+
+            return EagleProposer(spec.model, spec.num_speculative_tokens, self.model, self.hf_config, self.dtype,
+                                 self.device, self.config.block_size)
         from pagedllm.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(spec.model, spec.num_speculative_tokens, self.hf_config.vocab_size, self.dtype,
