@@ -7,7 +7,9 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# auto_disable off: the governor's timing-driven plain steps would make the draft counts below vary
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "auto_disable": False}
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
