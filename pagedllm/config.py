@@ -105,7 +105,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1  # only 1: pipeline parallelism is not implemented (refused with the alternatives)
+    pipeline_parallel_size: int = 1  # pipeline stages (world = pipeline_parallel_size x tensor_parallel_size)
+    # decoder layers per pipeline stage ("6,6" or [6, 6]); None: env PAGEDLLM_PP_LAYER_PARTITION, else an even split
+    pp_layer_partition: Optional[tuple] = None
     distributed_executor_backend: Optional[str] = None  # "mp" (processes on this machine; default) or "ray"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (no effect on CPU)
     served_model_name: Optional[str] = None
@@ -125,6 +127,35 @@ class EngineConfig:
     max_lora_rank: int = 16  # the largest adapter rank accepted (slots are sized for it)
     max_cpu_loras: Optional[int] = None  # adapters kept read in host memory per worker (default max_loras)
     max_loras_per_step: Optional[int] = None  # most distinct adapters in one step (default max_loras)
+
+    def _check_pipeline_parallel(self) -> None:
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
+        part = self.pp_layer_partition
+        if part is None and pp > 1:
+            part = os.environ.get("PAGEDLLM_PP_LAYER_PARTITION") or None
+        if isinstance(part, str):
+            try:
+                part = [int(x) for x in part.replace(" ", "").split(",") if x]
+            except ValueError:
+                raise ValueError(f"pp_layer_partition must be comma-separated layer counts like '6,6', got "
+                                 f"{self.pp_layer_partition!r}") from None
+        if part is not None:
+            part = tuple(int(x) for x in part)
+            if len(part) != pp:
+                raise ValueError(f"pp_layer_partition {list(part)} has {len(part)} stages but pipeline_parallel_size "
+                                 f"is {pp}")
+            if min(part) < 1:
+                raise ValueError(f"pp_layer_partition {list(part)}: every stage needs at least 1 layer")
+        object.__setattr__(self, "pp_layer_partition", part if pp > 1 else None)
+        if pp == 1:
+            return
+        if self.speculative_config is not None:
+            raise ValueError("speculative decoding (speculative_config) does not support pipeline_parallel_size > 1 "
+                             "yet")
+        if self.enable_lora:
+            raise ValueError("LoRA (enable_lora) does not support pipeline_parallel_size > 1 yet")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -158,10 +189,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported (only 1): split a "
-                             "model with tensor_parallel_size (over nodes with distributed_executor_backend='ray'), "
-                             "or add replicas with pagedllm serve --data-parallel-size")
+        self._check_pipeline_parallel()
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ValueError("distributed_executor_backend must be 'mp' (processes on this machine) or 'ray' (Ray "
                              f"actors across a Ray cluster), got {self.distributed_executor_backend!r}")
@@ -189,7 +217,7 @@ class EngineConfig:
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_threads_bind is not None:
-            cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size)  # raises if malformed
+            cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size * self.pipeline_parallel_size)  # raises if malformed
         if not os.path.isdir(self.model):
             raise ValueError(f"model must be a local directory with config.json and safetensors weights: {self.model!r}")
         if not os.path.isfile(os.path.join(self.model, "config.json")):

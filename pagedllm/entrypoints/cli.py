@@ -40,8 +40,10 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes",
     "enable_chunked_prefill": "split long prompts across steps",
     "tensor_parallel_size": "number of tensor parallel ranks",
-    "pipeline_parallel_size": "pipeline parallel stages: only 1 (not implemented; use tensor parallelism or "
-                              "--data-parallel-size)",
+    "pipeline_parallel_size": "pipeline parallel stages (layers split across them; each stage may be tensor "
+                              "parallel: world = pipeline x tensor parallel size)",
+    "pp_layer_partition": "decoder layers per pipeline stage, e.g. 6,6 (default: an even split, the remainder to "
+                          "the first stages; env PAGEDLLM_PP_LAYER_PARTITION)",
     "distributed_executor_backend": "how tensor-parallel ranks run: mp (processes on this machine; default) or ray "
                                     "(actors placed across an existing Ray cluster; pip install 'pagedllm[ray]')",
     "served_model_name": "the model name clients use (default: the model path)",
@@ -62,7 +64,8 @@ _HELP = {
                         "ranks) or explicit lists per rank such as 0-3|4-7 (env PAGEDLLM_CPU_THREADS_BIND)",
     "speculative_config": "speculative decoding as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5} or {\"method\": \"draft_model\", "
-                          "\"model\": DIR, \"num_speculative_tokens\": 3}; optional disable_by_batch_size, "
+                          "\"model\": DIR, \"num_speculative_tokens\": 3} or {\"method\": \"eagle\", \"model\": "
+                          "EAGLE_HEAD_DIR, \"num_speculative_tokens\": 3}; optional disable_by_batch_size, "
                           "auto_disable (default true: decode plainly while speculation measurably loses)",
     "enable_lora": "serve LoRA adapters (PEFT format) beside the base model, mixed in one batch",
     "max_loras": "LoRA adapter slots: distinct adapters that can run at once (others wait for a slot)",

@@ -6,6 +6,14 @@ their weight shards and KV heads; rank 0 samples on the gathered logits (and com
 logprobs) and broadcasts the sampled ids so every rank's request state stays identical.
 ``execute`` returns rank 0's output; the other ranks' outputs are dropped.
 
+Pipeline parallelism (``pipeline_parallel_size`` P > 1; world = P x TP, stage-major ranks, see
+distributed/parallel_state.py): rank 0 runs stage 0 and broadcasts each step as
+(SchedulerOutput, grammar, ids sampled since the last step); each stage receives the previous
+stage's hidden states, runs its layers and sends its own on; the last stage's tp rank 0 samples
+and sends the ModelRunnerOutput to rank 0. ``submit`` returns once stage 0 has sent its part and
+``collect`` waits for the oldest step's output, so the engine keeps up to P steps in flight
+(engine/core.py). ``execute`` is one of each.
+
 ``MultiprocExecutor`` is an ``executor.base.Executor``; ranks > 0 have no executor, only a
 worker. Ranks 1..N-1 are spawned here for a single machine. Under ``torchrun`` (multi-node) the launcher
 starts them instead: they call ``run_worker_rank`` (``pagedllm serve`` does this for RANK > 0).
@@ -32,6 +40,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def stage_partition(config, hf_config) -> list[int]:
+    """Decoder layers per pipeline stage (validated against the model): a clear error up front."""
+    from pagedllm.distributed.parallel_state import layer_partition
+
+    return layer_partition(hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition)
+
+
 def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size):
     from pagedllm.distributed.parallel_state import init_distributed
     from pagedllm.worker.worker import Worker, resolve_device
@@ -42,7 +57,9 @@ def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank
         if local >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size needs a GPU per rank; only {torch.cuda.device_count()} visible")
         torch.cuda.set_device(local)
-    group = init_distributed(rank, world_size, device)
+    pp = config.pipeline_parallel_size
+    group = init_distributed(rank, world_size, device, pp_size=pp,
+                             pp_partition=stage_partition(config, hf_config) if pp > 1 else None)
     worker = Worker(config, hf_config, max_model_len, max_num_batched_tokens)
     return worker, group
 
@@ -52,9 +69,9 @@ def _agree_num_blocks(worker, group) -> int:
     then all take the smallest block count."""
     import torch.distributed as dist
 
-    dist.barrier(group=group.cpu_group)
+    dist.barrier(group=group.world_cpu_group)
     n = torch.tensor([worker.determine_num_blocks()], dtype=torch.long)
-    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    dist.all_reduce(n, op=dist.ReduceOp.MIN, group=group.world_cpu_group)  # every stage: one block table
     return int(n.item())
 
 
@@ -65,13 +82,23 @@ def run_worker_rank(config, hf_config, max_model_len, max_num_batched_tokens, ra
     worker, group = _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size)
     worker.initialize_cache(_agree_num_blocks(worker, group))
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
-    dist.gather_object(weight_bytes, None, dst=0, group=group.cpu_group)
+    dist.gather_object(weight_bytes, None, dst=0, group=group.world_cpu_group)
+    from pagedllm.distributed.parallel_state import get_pp_group
+
+    pp = get_pp_group()
     while True:
         msg = [None]
-        dist.broadcast_object_list(msg, src=0, group=group.cpu_group)
+        dist.broadcast_object_list(msg, src=0, group=group.world_cpu_group)
         if msg[0] == _SHUTDOWN:
             break
-        worker.execute(msg[0])
+        if pp.world_size == 1:
+            worker.execute(msg[0])
+            continue
+        so, grammar, new_tokens = msg[0]
+        out = worker.execute_stage(so, grammar, new_tokens)
+        if rank == pp.sampler_rank:
+            pp.send_object(out, dst=0)
+    pp.wait_sends()
     dist.destroy_process_group()
 
 
@@ -93,29 +120,38 @@ class MultiprocExecutor:
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
         import torch.multiprocessing as mp
 
-        world = config.tensor_parallel_size
+        tp, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        world = tp * self.pp_size
         self.world_size = world
         heads = hf_config.num_attention_heads
-        if heads % world:
-            raise ValueError(f"tensor_parallel_size ({world}) must divide num_attention_heads ({heads})")
+        if heads % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({heads})")
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        if kv_heads % world and world % kv_heads:
-            raise ValueError(f"tensor_parallel_size ({world}) and num_key_value_heads ({kv_heads}) must divide one another")
+        if kv_heads % tp and tp % kv_heads:
+            raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide one another")
+        if self.pp_size > 1:
+            stage_partition(config, hf_config)  # a bad pp_layer_partition fails here, before any process starts
+        self._new_tokens: dict[str, list[int]] = {}  # pipeline parallel: sampled ids the stages have not seen yet
+        self._in_flight = 0
         self.procs = []
         args = (config, hf_config, max_model_len, max_num_batched_tokens)
         launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
         saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
         if launched_by_torchrun:
             if int(os.environ["WORLD_SIZE"]) != world:
-                raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size={world}")
+                raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size x "
+                                 f"pipeline_parallel_size = {world}")
             if int(os.environ["RANK"]) != 0:
                 raise RuntimeError("only rank 0 builds the engine; other ranks run run_worker_rank")
         else:
             if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()):
                 if torch.cuda.device_count() < world:
                     raise ValueError(f"tensor_parallel_size={world} but only {torch.cuda.device_count()} GPUs are visible")
+            elif tp > (os.cpu_count() or 1):
+                raise ValueError(f"tensor_parallel_size={tp} exceeds the {os.cpu_count()} CPU cores available")
             elif world > (os.cpu_count() or 1):
-                raise ValueError(f"tensor_parallel_size={world} exceeds the {os.cpu_count()} CPU cores available")
+                logger.warning("%d ranks (pipeline %d x tensor %d) share %d CPU cores: the stages will take turns",
+                               world, self.pp_size, tp, os.cpu_count())
             port = _free_port()
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE=str(world))
             ctx = mp.get_context("spawn")
@@ -133,7 +169,7 @@ class MultiprocExecutor:
 
             sizes = [None] * world
             dist.gather_object(sum(p.numel() * p.element_size() for p in self.worker.model.parameters()), sizes,
-                               dst=0, group=self.group.cpu_group)
+                               dst=0, group=self.group.world_cpu_group)
             self.weight_bytes_per_rank = sizes
         except Exception:
             self._kill()
@@ -164,6 +200,9 @@ class MultiprocExecutor:
     def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         import torch.distributed as dist
 
+        if self.pp_size > 1:
+            self.submit(scheduler_output, grammar)
+            return self.collect()
         if self._dead:
             raise RuntimeError("a tensor-parallel worker died earlier; the engine cannot continue")
         self._check_alive()
@@ -174,6 +213,67 @@ class MultiprocExecutor:
             self._dead = True
             alive = [p.is_alive() for p in self.procs]
             raise RuntimeError(f"tensor-parallel step failed (workers alive: {alive}): {e}") from e
+
+    # ---- pipeline parallelism: steps in flight ------------------------------------------------
+    def submit(self, scheduler_output: SchedulerOutput, grammar=None) -> None:
+        """Start a step: broadcast it, run stage 0 (its hidden states go to stage 1 without
+        waiting). Its output comes from ``collect``, in submission order."""
+        import torch.distributed as dist
+
+        if self._dead:
+            raise RuntimeError("a pipeline-parallel worker died earlier; the engine cannot continue")
+        self._check_alive()
+        new_tokens, self._new_tokens = self._new_tokens, {}
+        try:
+            dist.broadcast_object_list([(scheduler_output, grammar, new_tokens)], src=0,
+                                       group=self.group.world_cpu_group)
+            self.worker.execute_stage(scheduler_output, None, new_tokens)
+        except Exception as e:
+            self._dead = True
+            raise RuntimeError(f"pipeline-parallel step failed (workers alive: {[p.is_alive() for p in self.procs]}): "
+                               f"{e}") from e
+        self._in_flight += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output (from the last stage's sampling rank). A worker
+        that dies meanwhile fails this within about a second, never a hang."""
+        import threading
+
+        from pagedllm.distributed.parallel_state import get_pp_group
+
+        if self._dead:
+            raise RuntimeError("a pipeline-parallel worker died earlier; the engine cannot continue")
+        pp = get_pp_group()
+        box: list = []
+
+        def receive() -> None:
+            try:
+                box.append(pp.recv_object(pp.sampler_rank))
+            except Exception as e:  # the process group broke (a peer died)
+                box.append(e)
+
+        t = threading.Thread(target=receive, name="pagedllm-pp-collect", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.5)
+            if t.is_alive():
+                try:
+                    self._check_alive()
+                except RuntimeError:
+                    raise RuntimeError(f"pipeline-parallel worker died: {self._death_note()}") from None
+        self._in_flight -= 1
+        out = box[0]
+        if isinstance(out, Exception):
+            self._dead = True
+            raise RuntimeError(f"pipeline-parallel step failed: {out}") from out
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+            if toks:
+                self._new_tokens.setdefault(rid, []).extend(toks)
+        return out
+
+    def _death_note(self) -> str:
+        dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        return ", ".join(f"rank {r} died (exit code {c})" for r, c in dead)
 
     def _kill(self) -> None:
         for p in self.procs:
@@ -187,7 +287,9 @@ class MultiprocExecutor:
         if not self._dead and dist.is_initialized():
             try:
                 self._check_alive()
-                dist.broadcast_object_list([_SHUTDOWN], src=0, group=self.group.cpu_group)
+                while self.pp_size > 1 and self._in_flight:  # steps still in flight: let the stages finish them
+                    self.collect()
+                dist.broadcast_object_list([_SHUTDOWN], src=0, group=self.group.world_cpu_group)
             except Exception:
                 pass
         for p in self.procs:
@@ -195,9 +297,10 @@ class MultiprocExecutor:
         self._kill()
         if dist.is_initialized():
             dist.destroy_process_group()
-        from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
+        from pagedllm.distributed.parallel_state import PPGroup, TPGroup, set_pp_group, set_tp_group
 
         set_tp_group(TPGroup())
+        set_pp_group(PPGroup())
 
 
 def launched_as_worker_rank() -> bool:

@@ -13,10 +13,11 @@ class UniprocExecutor:
     is_dead = False  # an exception in the in-process worker leaves it usable for other requests
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
-        from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
+        from pagedllm.distributed.parallel_state import PPGroup, TPGroup, set_pp_group, set_tp_group
         from pagedllm.worker.worker import Worker
 
         set_tp_group(TPGroup())  # a single rank: every collective is the identity
+        set_pp_group(PPGroup())
         self.worker = Worker(config, hf_config, max_model_len, max_num_batched_tokens)
         num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(num_blocks)

@@ -16,6 +16,8 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedllm.distributed.parallel_state import get_pp_group
+from pagedllm.models.pipeline import PPMissingLayer, stage_module
 
 
 def rope_settings(config) -> tuple[float, Optional[dict]]:
@@ -109,13 +111,17 @@ class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool = False, qk_norm: bool = False, make_mlp=None) -> None:
         """``make_mlp(config, layer_index)``: a family's MLP for a layer (None: LlamaMLP)."""
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp_group()  # pipeline parallel: this stage's layers only (placeholders elsewhere)
+        self.is_first, self.is_last = pp.is_first, pp.is_last
+        self.start, self.end = pp.layer_range(config.num_hidden_layers)
+        self.embed_tokens = stage_module(self.is_first, lambda: VocabParallelEmbedding(config.vocab_size,
+                                                                                       config.hidden_size))
         sliding_window = self._sliding_window(config)
         self.layers = nn.ModuleList(
             [LlamaDecoderLayer(config, qkv_bias, qk_norm, sliding_window, make_mlp(config, i) if make_mlp else None)
-             for i in range(config.num_hidden_layers)]
+             if self.start <= i < self.end else PPMissingLayer() for i in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = stage_module(self.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
@@ -128,12 +134,18 @@ class LlamaModel(nn.Module):
             raise ValueError("per-layer sliding windows (layer_types) are not supported yet")
         return getattr(config, "sliding_window", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        """Hidden states after the final norm; on a pipeline stage before the last, the
+        (hidden, residual) tensors for the next stage. ``intermediate``: the previous stage's."""
+        if self.is_first:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate
         rope = self.rotary.cos_sin(positions, h.dtype)
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.start : self.end]:
             h, residual = layer(rope, h, residual)
+        if not self.is_last:
+            return [h, residual]
         return self.norm(h, residual)[0]
 
 
@@ -142,22 +154,25 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     packed_modules_mapping = FUSED_QKV_GATE_UP
     make_mlp = None  # MoE families: (config, layer index) -> that layer's MLP module
+    supports_pp = True  # pipeline parallel stages (models/pipeline.py)
+    pp_num_intermediate = 2  # tensors a stage sends the next: hidden states and the residual stream
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, self.qkv_bias, self.qk_norm, self.make_mlp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = stage_module(self.model.is_last, lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's layers (all of them without pipeline parallelism)."""
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start : self.model.end]]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

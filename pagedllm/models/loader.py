@@ -82,6 +82,10 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     # A family's own names (e.g. per-expert tensors into stacked expert weights): name ->
     # (parameter, shard id or None), or None for the generic mapping below.
     name_target = getattr(model, "remap_checkpoint_name", None)
+    from pagedllm.models.pipeline import missing_prefixes
+
+    elsewhere = missing_prefixes(model)  # pipeline parallel: modules other stages own (their tensors are skipped)
+    tie = bool(getattr(model, "tie_word_embeddings", False))
     loaded: set[str] = set()
     saw_lm_head = False
     weights = iterate_weights(model_dir)
@@ -93,12 +97,17 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         if target.startswith("lm_head."):
             saw_lm_head = True
         param = params.get(target)
+        if param is None and elsewhere and target.startswith(elsewhere):
+            if target == "model.embed_tokens.weight" and "lm_head.weight" in params and (tie or not saw_lm_head):
+                target, param = "lm_head.weight", params["lm_head.weight"]  # a last stage's tied head
+            else:
+                continue
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", default_weight_loader)
         loader(param, tensor, shard_id) if shard_id is not None else loader(param, tensor)
         loaded.add(target)
-    if getattr(model, "tie_word_embeddings", False) or not saw_lm_head:
+    if (tie or not saw_lm_head) and "lm_head." not in elsewhere and "model.embed_tokens." not in elsewhere:
         model.lm_head.weight = model.model.embed_tokens.weight
         loaded.add("lm_head.weight")
     missing = [n for n in params if n not in loaded and not n.startswith("lm_head.")]

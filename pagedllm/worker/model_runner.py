@@ -14,6 +14,13 @@ collectives) but only rank 0 samples: it broadcasts the sampled ids, so every ra
 same tokens and keeps identical request states, and every rank returns the same request ids
 and sampled ids. Logprobs (sampled and prompt) are rank 0's alone: the engine reads rank 0's
 output, ranks > 0 drop theirs. Seeded generators likewise live on rank 0 only.
+
+Under pipeline parallelism a stage runs its own layers: it receives the previous stage's
+intermediate tensors before its forward and sends its own to the next stage after it; only tp
+rank 0 of the last stage samples, and it appends nothing: the driver passes every stage the
+sampled ids of earlier steps with a later step (``apply_new_tokens``), before any step that
+schedules those requests again, so all stages keep the same request states without waiting on
+one another.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.block_copy import copy_blocks, layer_cache_planes
 from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.attention.forward_context import set_attention_metadata
-from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
 from pagedllm.worker.beam_rows import score_beam_rows
@@ -40,7 +47,10 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.tp = get_tp_group()  # fixed at construction: another engine in the process may differ
-        self.is_sampler = self.tp.rank == 0  # the one rank that samples and computes logprobs
+        pp = get_pp_group()
+        self.pp = pp if pp.world_size > 1 else None  # this pipeline stage (None: no pipeline parallelism)
+        # the one rank that samples and computes logprobs
+        self.is_sampler = self.tp.rank == 0 and (self.pp is None or self.pp.is_last)
         self.sampler = Sampler(seed, device) if self.is_sampler else None
         self.requests: dict[str, CachedRequestState] = {}
         # Seeded generators outlive preemption (the worker forgets a preempted request's state,
@@ -63,6 +73,9 @@ class ModelRunner:
         drafts, draft_probs = self.spec.propose(self, so) if self.spec is not None else (None, None)
         inputs = self._prepare_inputs(so, drafts)
         hidden = self._forward(inputs)
+        if self.pp is not None and not self.pp.is_last:  # the next stage has the hidden states now
+            self._update_states(inputs, [])
+            return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids])
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)  # before the states grow
         beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler)  # takes the beam rows out of sampling
         if drafts is not None:  # speculative decoding: every drafted position verified at once
@@ -77,6 +90,13 @@ class ModelRunner:
         return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs, beam_candidates=beams)
 
     # ---- 1. state diffs ---------------------------------------------------------------------
+    def apply_new_tokens(self, new_tokens: dict[str, list[int]]) -> None:
+        """Pipeline parallelism: ids sampled by earlier steps (before this step's diffs)."""
+        for rid, toks in new_tokens.items():
+            st = self.requests.get(rid)
+            if st is not None:
+                st.token_ids.extend(toks)
+
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
@@ -160,6 +180,8 @@ class ModelRunner:
     # ---- 3. forward ------------------------------------------------------------------------
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states [T, H] of every scheduled token."""
+        if self.pp is not None:
+            return self._forward_stage(inputs)
         md = inputs.attn_metadata
         total = inputs.num_tokens
         graphs = self.graph_runner
@@ -174,6 +196,22 @@ class ModelRunner:
                 self.lora.end_step()
         self.num_forward_tokens += total
         return hidden
+
+    def _forward_stage(self, inputs: StepInputs) -> torch.Tensor:
+        """One pipeline stage: the previous stage's tensors in, this stage's layers, out to the
+        next stage (the last stage returns its final hidden states)."""
+        pp, total = self.pp, inputs.num_tokens
+        intermediate = None
+        if not pp.is_first:
+            hidden_size = self.model.config.hidden_size
+            dtype = next(self.model.parameters()).dtype
+            intermediate = pp.recv_tensors([(total, hidden_size)] * self.model.pp_num_intermediate, dtype, self.device)
+        with set_attention_metadata(inputs.attn_metadata):
+            out = self.model(inputs.input_ids, inputs.positions, intermediate)
+        self.num_forward_tokens += total
+        if not pp.is_last:
+            pp.send_tensors(out)
+        return out
 
     # ---- 4. sample -------------------------------------------------------------------------
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, grammar=None) -> tuple[list[int], dict[str, Logprobs]]:
@@ -193,7 +231,7 @@ class ModelRunner:
             ids = out.sampled
         else:
             ids = torch.empty(len(rows), dtype=torch.long)
-        if self.tp.world_size > 1:  # sampled once on rank 0; every rank appends the same tokens
+        if self.tp.world_size > 1 and self.pp is None:  # sampled once on rank 0; every rank appends the same tokens
             ids = ids.cpu()
             torch.distributed.broadcast(ids, src=0, group=self.tp.cpu_group)
         sampled = ids.tolist()  # the step's one device->host sync
@@ -240,13 +278,14 @@ class ModelRunner:
         return out
 
     # ---- 5. update states ------------------------------------------------------------------
-    @staticmethod
-    def _update_states(inputs: StepInputs, sampled: list[int]) -> list[list[int]]:
-        """Append the sampled ids, advance num_computed_tokens; the sampled ids per batch row."""
+    def _update_states(self, inputs: StepInputs, sampled: list[int]) -> list[list[int]]:
+        """Append the sampled ids (pipeline parallel: they come back with a later step),
+        advance num_computed_tokens; the sampled ids per batch row."""
         sampled_lists: list[list[int]] = [[] for _ in inputs.req_ids]
         states = inputs.states
         for tok, i in zip(sampled, inputs.sample_rows.tolist()):
-            states[i].token_ids.append(tok)
+            if self.pp is None:
+                states[i].token_ids.append(tok)
             sampled_lists[i] = [tok]
         for st, n in zip(states, inputs.seq_lens.tolist()):
             st.num_computed_tokens = n

@@ -16,7 +16,8 @@ from pagedllm.layers.linear import linear_weights_on_meta
 from pagedllm.models.quantized import finish_quantized_layers, prepare_quantized_layers, quantize_linear_layers
 from pagedllm.quantization.registry import resolve_quantization
 from pagedllm.models.registry import resolve_model_class
-from pagedllm.distributed.parallel_state import get_tp_group
+from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
+from pagedllm.models.pipeline import check_pipeline_support
 from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
 from pagedllm.worker.cpu_threads import configure_cpu_threads
 from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
@@ -119,9 +120,13 @@ class Worker:
         self.cpu_description: dict | None = None  # CPU model, flags and kernel level (CPU only)
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
-            tp = get_tp_group()
-            configure_cpu_threads(config, tp.rank, tp.world_size)
+            tp, pp = get_tp_group(), get_pp_group()
+            if pp.world_size > 1:  # every rank of every stage shares the host's cores
+                configure_cpu_threads(config, pp.global_rank, pp.global_world)
+            else:
+                configure_cpu_threads(config, tp.rank, tp.world_size)
         model_cls = resolve_model_class(hf_config)
+        check_pipeline_support(model_cls)
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -239,7 +244,7 @@ class Worker:
             self.budget_note = f"kv_cache_memory {gib(self.config.kv_cache_memory)} (set explicitly)"
             return self.config.kv_cache_memory
         host = read_host_memory()
-        ranks = envs.local_world_size() or tp.world_size
+        ranks = envs.local_world_size() or tp.world_size * get_pp_group().world_size
         budget = cpu_kv_budget(host, self.config.cpu_memory_utilization, ranks, self.activation_bytes)
         self.budget_note = (f"{gib(host.available)} available ({host.describe()}) x cpu_memory_utilization "
                             f"{self.config.cpu_memory_utilization:g}" + (f" / {ranks} ranks on this host" if ranks > 1
@@ -297,8 +302,8 @@ class Worker:
             self.runner.spec = SpecDecoder(self.config.speculative_config, sampler.generator if sampler else None,
                                            self.drafter)
         if self.device.type == "cuda" and not self.config.enforce_eager:
-            if self.config.tensor_parallel_size > 1:
-                logger.info("CUDA graphs are not used with tensor parallelism yet: running eagerly")
+            if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
+                logger.info("CUDA graphs are not used with tensor or pipeline parallelism yet: running eagerly")
             elif self.lora is not None:
                 logger.info("CUDA graphs are not used with LoRA adapters yet: running eagerly")
             else:
@@ -333,4 +338,12 @@ class Worker:
                             equivalent / spec.bytes_per_token)
 
     def execute(self, scheduler_output, grammar=None):
+        return self.runner.execute(scheduler_output, grammar)
+
+    def execute_stage(self, scheduler_output, grammar=None, new_tokens=None):
+        """Pipeline parallelism: this stage's part of a step, after the ids sampled by earlier
+        steps (``new_tokens``, request id -> ids) joined the request states. The last stage's
+        sampling rank returns the step's output; the other ranks' outputs carry no tokens."""
+        if new_tokens:
+            self.runner.apply_new_tokens(new_tokens)
         return self.runner.execute(scheduler_output, grammar)

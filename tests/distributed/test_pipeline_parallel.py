@@ -1,0 +1,161 @@
+"""Pipeline parallelism on CPU with gloo: PP=2 and PP=2 x TP=2 give PP=1's greedy tokens (also
+under preemption, with prefix caching, chunked prefills, logprobs and seeded sampling); each
+stage holds only its layers and a KV cache sized by them; uneven and bad pp_layer_partition; a
+dead stage fails the engine fast."""
+import os
+import signal
+import time
+
+import pytest
+
+from prompts import random_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import layer_partition
+
+pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")
+
+SP = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+PROMPTS = random_prompts((1, 9, 40, 130), seed=11)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from checkpoints import make_checkpoint
+
+    return make_checkpoint(str(tmp_path_factory.mktemp("pp") / "llama4"), "llama", layers=4, heads=4, kv_heads=2)
+
+
+def run(path, prompts=PROMPTS, sp=SP, **kw):
+    """(token ids per request, stats, executor facts) of one engine; asserts no block leaked."""
+    kw.setdefault("kv_cache_memory", 4 << 20)
+    llm = LLM(model=path, dtype="float32", **kw)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+        stats = llm.get_stats()
+        ex = llm.engine.core.executor
+        facts = {"weights": ex.weight_bytes_per_rank, "blocks": ex.num_blocks}
+    finally:
+        llm.engine.shutdown()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return outs, stats, facts
+
+
+def greedy(path, prompts=PROMPTS, sp=SP, **kw):
+    outs, stats, facts = run(path, prompts, sp, **kw)
+    return [o.outputs[0].token_ids for o in outs], stats, facts
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt):
+    return greedy(ckpt)
+
+
+def test_pp2_matches_pp1_with_half_the_weights_and_cache_per_stage(ckpt, reference):
+    want, _, one = reference
+    got, _, two = greedy(ckpt, pipeline_parallel_size=2)
+    assert got == want
+    assert len(two["weights"]) == 2 and sum(two["weights"]) == pytest.approx(one["weights"][0], rel=0.01)
+    assert two["blocks"] == 2 * one["blocks"]  # each stage caches 2 of the 4 layers in the same memory
+
+
+def test_pp2_tp2_matches_pp1(ckpt, reference):
+    got, _, facts = greedy(ckpt, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert got == reference[0]
+    assert len(facts["weights"]) == 4
+
+
+def test_uneven_partition_and_chunked_prefill(ckpt, reference):
+    """3 layers on stage 0, 1 on stage 1; a 32-token budget splits the long prompts; the cache
+    holds what the 3-layer stage fits (every stage uses the same block count)."""
+    got, stats, facts = greedy(ckpt, pipeline_parallel_size=2, pp_layer_partition="3,1", max_num_batched_tokens=32)
+    assert got == reference[0]
+    assert facts["weights"][0] > 2 * facts["weights"][1] * 0.9
+    assert facts["blocks"] == int(reference[2]["blocks"] * 4 / 3)
+
+
+def test_pp2_under_preemption_and_with_prefix_caching(ckpt):
+    prompts = random_prompts((70, 70, 70, 70), seed=12)
+    prompts += [p[:64] + [5, 6, 7] for p in prompts[:2]]  # share 4 full blocks with earlier prompts
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want, _, _ = greedy(ckpt, prompts, sp)
+    # per stage: 2 layers x 2 kv heads x 16 dims x 4 B x 2 = 512 B/token -> 24 blocks of 16 tokens
+    got, stats, _ = greedy(ckpt, prompts, sp, pipeline_parallel_size=2, kv_cache_memory=512 * 16 * 24,
+                           max_model_len=128)
+    assert stats.num_preemptions > 0
+    assert got == want
+    got, stats, _ = greedy(ckpt, prompts, sp, pipeline_parallel_size=2, max_num_seqs=2)
+    assert got == want and stats.prefix_cache_hits > 0
+
+
+def test_pp2_logprobs_and_seeded_sampling_match_pp1(ckpt):
+    prompts = random_prompts((5, 40, 12), seed=13)
+    sps = [
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+        SamplingParams(temperature=1.0, top_k=40, seed=7, n=2, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=6, ignore_eos=True, repetition_penalty=1.3),
+    ]
+    one, _, _ = run(ckpt, prompts, sps)
+    two, _, _ = run(ckpt, prompts, sps, pipeline_parallel_size=2)
+    for o1, o2 in zip(one, two):
+        assert [c.token_ids for c in o2.outputs] == [c.token_ids for c in o1.outputs]
+    lp1, lp2 = one[0].outputs[0].logprobs, two[0].outputs[0].logprobs
+    assert [list(d) for d in lp2] == [list(d) for d in lp1]
+    assert two[0].prompt_logprobs is not None and len(two[0].prompt_logprobs) == len(one[0].prompt_logprobs)
+
+
+def test_layer_partition_rules_and_bad_partitions(ckpt):
+    assert layer_partition(10, 4) == [3, 3, 2, 2]  # the remainder goes to the first stages
+    assert layer_partition(7, 2) == [4, 3]
+    assert layer_partition(4, 2, [1, 3]) == [1, 3]
+    assert EngineConfig(model=ckpt, pipeline_parallel_size=2, pp_layer_partition=[3, 1]).pp_layer_partition == (3, 1)
+    with pytest.raises(ValueError, match="sums to 5"):
+        layer_partition(4, 2, [2, 3])
+    with pytest.raises(ValueError, match="has 3 stages"):
+        EngineConfig(model=ckpt, pipeline_parallel_size=2, pp_layer_partition="1,1,2")
+    with pytest.raises(ValueError, match="at least 1 layer"):
+        EngineConfig(model=ckpt, pipeline_parallel_size=2, pp_layer_partition="4,0")
+    with pytest.raises(ValueError, match="comma-separated"):
+        EngineConfig(model=ckpt, pipeline_parallel_size=2, pp_layer_partition="4;0")
+    with pytest.raises(ValueError, match="sums to 5"):  # checked against the model before any process starts
+        LLM(model=ckpt, dtype="float32", pipeline_parallel_size=2, pp_layer_partition="2,3")
+    with pytest.raises(ValueError, match="exceeds the model's 4 layers"):
+        LLM(model=ckpt, dtype="float32", pipeline_parallel_size=5)
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be >= 1"):
+        EngineConfig(model=ckpt, pipeline_parallel_size=0)
+    with pytest.raises(ValueError, match="speculative decoding"):
+        EngineConfig(model=ckpt, pipeline_parallel_size=2, speculative_config={"method": "ngram",
+                                                                               "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="LoRA"):
+        EngineConfig(model=ckpt, pipeline_parallel_size=2, enable_lora=True)
+
+
+def test_partition_from_the_environment(ckpt, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_PP_LAYER_PARTITION", "1,3")
+    assert EngineConfig(model=ckpt, pipeline_parallel_size=2).pp_layer_partition == (1, 3)
+    assert EngineConfig(model=ckpt).pp_layer_partition is None
+
+
+def test_unsupported_family_is_a_clear_error(make_ckpt):
+    from pagedllm.distributed.parallel_state import PPGroup, set_pp_group
+    from pagedllm.models.gpt2 import GPT2LMHeadModel
+    from pagedllm.models.pipeline import check_pipeline_support
+
+    set_pp_group(PPGroup(0, 2))
+    try:
+        with pytest.raises(ValueError, match="GPT2LMHeadModel does not support pipeline_parallel_size"):
+            check_pipeline_support(GPT2LMHeadModel)
+    finally:
+        set_pp_group(PPGroup())
+
+
+def test_dead_stage_fails_fast(ckpt):
+    llm = LLM(model=ckpt, dtype="float32", pipeline_parallel_size=2, kv_cache_memory=4 << 20)
+    ex = llm.engine.core.executor
+    os.kill(ex.procs[0].pid, signal.SIGKILL)
+    ex.procs[0].join(5)
+    t = time.time()
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=SP, use_tqdm=False)
+    assert time.time() - t < 10
+    llm.engine.shutdown()
