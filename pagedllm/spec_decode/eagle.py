@@ -50,15 +50,17 @@ EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 
 
 class EagleProposer:
+    MAX_PENDING = 512  # features held per request before the head consumes them early
+
     def __init__(self, path: str, num_speculative_tokens: int, target, target_config, dtype: torch.dtype,
-                 device: torch.device, block_size: int, max_pending: int = 512) -> None:
+                 device: torch.device, block_size: int) -> None:
         arch = type(target).__name__
         if arch not in EAGLE_TARGETS:
             raise ValueError(f"speculative_config method 'eagle' supports Llama-family targets {EAGLE_TARGETS}, "
                              f"not {arch}")
         self.k = num_speculative_tokens
         self.device, self.dtype, self.block_size = device, dtype, block_size
-        self.max_pending = max_pending
+        self.max_pending = self.MAX_PENDING
         self.target = target
         hf = load_hf_config(path)
         for field in ("hidden_size", "vocab_size"):

@@ -192,3 +192,73 @@ def test_refusals(llama_ckpt, make_ckpt, ckpt_dir, head):
         LLM(model=llama_ckpt, kv_cache_memory=16 << 20, speculative_config=spec(llama_ckpt))
     with pytest.raises(ValueError, match="checkpoint directory"):
         LLM(model=llama_ckpt, kv_cache_memory=16 << 20, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
+
+
+def _chi2_critical(df: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: 0.999)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_drafted_positions_follow_the_target(make_ckpt, ckpt_dir):
+    """Tiny vocabulary: token 2 is drafted by a random head (q != p) and verified; its empirical
+    distribution given token 1 equals HF's p(token 2 | prompt, token 1) (chi-square, fixed seeds)."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = 8
+    target = make_ckpt("tiny_vocab_target", "llama", vocab_size=vocab, layers=1, hidden=32, heads=2, kv_heads=1,
+                       intermediate=64, init_std=0.6, seed=3)
+    head = make_eagle_head(str(ckpt_dir / "tiny_vocab_eagle"), target, std=0.6, seed=9)
+    prompt = [3, 5, 4, 6, 3, 7]
+    n = 1500
+    llm = LLM(model=target, dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=256, seed=11,
+              speculative_config=spec(head, 1))
+    outs = llm.generate(prompt_token_ids=[prompt] * n,
+                        sampling_params=SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    s = llm.get_stats()
+    assert s.spec_num_drafts == n and 0 < s.spec_num_accepted_tokens < n
+    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    with torch.no_grad():
+        p = torch.softmax(hf(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1].double(), dim=-1)
+    stat, df = 0.0, 0
+    for t1, count in Counter(t1 for t1, _ in pairs).items():
+        if count < 80:
+            continue
+        seen = Counter(t2 for a, t2 in pairs if a == t1)
+        expected = p[t1] * count
+        big = [t for t in range(vocab) if expected[t] >= 5]
+        small = [t for t in range(vocab) if expected[t] < 5]
+        cells = [(seen[t], float(expected[t])) for t in big]
+        if small:
+            cells.append((sum(seen[t] for t in small), float(expected[small].sum())))
+        stat += sum((o - e) ** 2 / e for o, e in cells)
+        df += len(cells) - 1
+    assert df >= 10
+    assert stat < _chi2_critical(df), (stat, df)
+
+
+def test_early_consumption_of_long_prompts_proposes_the_same(llama_ckpt, head, monkeypatch):
+    """A long chunked prompt's features consumed early (every 8 positions) or all at the first
+    draft give the same head K/V, hence the same drafts."""
+    from pagedllm.spec_decode.eagle import EagleProposer
+
+    prompts = random_prompts((150, 90), seed=4)
+
+    def drafts_with(max_pending):
+        monkeypatch.setattr(EagleProposer, "MAX_PENDING", max_pending)
+        llm = LLM(model=llama_ckpt, dtype="float32", kv_cache_memory=16 << 20, max_num_batched_tokens=32,
+                  speculative_config=spec(head, 3))
+        drafter = llm.engine.core.executor.worker.drafter
+        seen, inner = [], drafter.propose
+
+        def record(runner, so, slots):
+            out = inner(runner, so, slots)
+            seen.append(sorted(out[0].items()))
+            return out
+
+        drafter.propose = record
+        llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        return seen
+
+    a, b = drafts_with(8), drafts_with(10_000)
+    assert a == b and sum(len(d) for d in a) > 10
