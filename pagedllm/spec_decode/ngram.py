@@ -1,5 +1,6 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the most recent earlier occurrence
 of the sequence's last n tokens, trying n from ``prompt_lookup_max`` down to ``prompt_lookup_min``.
+When that continuation reaches the present (a loop shorter than k tokens), it repeats it.
 
 Each request keeps an incremental index: n-gram -> where its latest earlier occurrence's
 continuation starts. Tokens appended since the last step add their n-grams (a few dict writes
@@ -54,7 +55,12 @@ class NgramProposer:
         for n in range(min(self.n_max, num - 1), self.n_min - 1, -1):
             start = idx.table.get(tuple(tokens[num - n :]))
             if start is not None:
-                return list(tokens[start : min(start + max_drafts, num)])
+                if start + max_drafts <= num:
+                    return list(tokens[start : start + max_drafts])
+                # The continuation runs into the present: the text repeats with period num - start,
+                # so the drafts repeat it too (a short loop still fills all the slots).
+                period = num - start
+                return [tokens[start + i % period] for i in range(max_drafts)]
         return []
 
     def propose(self, requests: dict[str, Sequence[int]], max_drafts: dict[str, int]) -> dict[str, list[int]]:

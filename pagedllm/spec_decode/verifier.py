@@ -18,6 +18,7 @@ import torch
 from pagedllm.core.contracts import Logprobs
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.rejection_sampler import RejectionSampler
+from pagedllm.sample.sampler import greedy
 
 
 class DraftRowView:
@@ -59,6 +60,27 @@ class DraftRowView:
         self.base.prompt_unique_ids = value
 
 
+def _greedy_prefix_match(argmax: np.ndarray, k: np.ndarray, row_starts: np.ndarray, drafts: np.ndarray
+                         ) -> torch.Tensor:
+    """The rejection sampler's all-greedy case on the host (the common one; a dozen tiny torch
+    ops cost more than the match on CPU): each request keeps its drafts up to the first that
+    differs from the target's argmax, then the argmax after them. ``argmax`` [sum(k + 1)]:
+    request i's rows from ``row_starts[i]``; ``drafts`` [sum k] flat. Returns the token grid
+    [R, k_max + 1], -1 after each request's tokens."""
+    num_reqs, k_max = len(k), int(k.max()) if len(k) else 0
+    tokens = np.full((num_reqs, k_max + 1), -1, dtype=np.int64)
+    draft_req = np.repeat(np.arange(num_reqs), k)
+    draft_pos = np.arange(len(drafts)) - np.repeat(row_starts - np.arange(num_reqs), k)
+    draft_rows = row_starts[draft_req] + draft_pos
+    miss = np.ones((num_reqs, k_max + 1), dtype=bool)  # column k_i: the bonus row always "misses"
+    miss[draft_req, draft_pos] = argmax[draft_rows] != drafts
+    num_accepted = np.argmax(miss, axis=1)
+    tokens[draft_req, draft_pos] = drafts
+    tokens[np.arange(k_max + 1)[None, :] >= num_accepted[:, None]] = -1
+    tokens[np.arange(num_reqs), num_accepted] = argmax[row_starts + num_accepted]
+    return torch.from_numpy(tokens)
+
+
 def verify_and_update(runner, inputs, hidden: torch.Tensor, drafts: dict[str, list[int]],
                       draft_probs: Optional[torch.Tensor], sampler: Optional[RejectionSampler]
                       ) -> tuple[list[list[int]], dict[str, Logprobs], list[int]]:
@@ -90,9 +112,13 @@ def verify_and_update(runner, inputs, hidden: torch.Tensor, drafts: dict[str, li
                      for j in range(kk + 1)]
             md = build_sampling_metadata(views, runner.vocab_size, runner.device)
         flat = [t for s in sample_states for t in drafts.get(s.req_id, ())]
-        draft_ids = torch.tensor(flat, dtype=torch.long, device=runner.device)
-        out = sampler(logits, md, k, draft_ids, draft_probs)
-        grid = out.tokens
+        if (md.all_greedy and not any(x is not None for x in per_row) and draft_probs is None
+                and runner.device.type == "cpu"):
+            grid = _greedy_prefix_match(greedy(logits).numpy(), k, row_starts, np.asarray(flat, dtype=np.int64))
+        else:
+            draft_ids = torch.tensor(flat, dtype=torch.long, device=runner.device)
+            out = sampler(logits, md, k, draft_ids, draft_probs)
+            grid = out.tokens
     elif len(rows):
         grid = torch.empty((len(rows), k_max + 1), dtype=torch.long)
     if grid is not None and runner.tp.world_size > 1:  # sampled on rank 0; every rank appends the same
