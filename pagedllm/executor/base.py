@@ -4,6 +4,11 @@ An executor owns the workers: it builds them, sizes the paged KV cache (agreeing
 count across ranks), runs one step per ``execute`` and returns the driver rank's output. The
 implementations (``UniprocExecutor``, ``MultiprocExecutor``) satisfy this Protocol
 structurally; a test checks their names and signatures against it.
+
+Pipeline parallelism: the executors that run stages (``MultiprocExecutor``, ``RayExecutor``)
+also have ``submit(scheduler_output, grammar=None)`` (start a step without waiting for it) and
+``collect() -> ModelRunnerOutput`` (the oldest submitted step's output); the engine keeps up to
+pipeline_parallel_size steps in flight through them (engine/core.py).
 """
 from __future__ import annotations
 

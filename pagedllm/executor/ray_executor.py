@@ -12,7 +12,12 @@ every actor sets MASTER_ADDR/MASTER_PORT to them and joins torch.distributed (gl
 plus a gloo control group on GPU) exactly as the mp ranks do, so the model code is unchanged.
 
 A step: the SchedulerOutput goes to every actor (one ``ray.put``); all run the forward together
-(the collectives happen inside it); rank 0 samples and returns the output. Failure: each actor
+(the collectives happen inside it); rank 0 samples and returns the output. Pipeline parallelism
+(world = pipeline x tensor parallel size, stage-major): each actor runs its stage's part (hidden
+states go actor to actor over torch.distributed), the last stage's tp rank 0 samples and returns
+the output; ``submit`` only sends the step (with the ids sampled since the last one), so up to
+pipeline_parallel_size steps run at once, and ``collect`` waits for the oldest. An actor runs
+its steps in submission order (a sequence number; it has a thread per step in flight). Failure: each actor
 also runs a ``sentinel`` call that never returns while it lives; a monitor thread waits on them,
 so a worker that dies (killed, its node lost, out of memory) marks the executor dead at once --
 also while idle, which the engine loop checks, so the server's /health turns 503. A step that
@@ -21,6 +26,7 @@ on the survivors, which may be stuck in a collective); then every actor is kille
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -51,6 +57,8 @@ class RayWorker:
         self.worker = None
         self.rank = -1
         self._forever = threading.Event()
+        self._turn = threading.Condition()
+        self._next_seq = 0  # pipeline parallel: the next step this actor runs
 
     def node_address(self) -> tuple[str, int]:
         """(this node's IP as Ray knows it, a free TCP port on it) for the rendezvous."""
@@ -84,6 +92,22 @@ class RayWorker:
             return None
         return out, self.worker.runner.num_forward_tokens
 
+    def execute_stage(self, seq: int, scheduler_output, grammar=None, new_tokens=None):
+        """Pipeline parallelism: this rank's part of step ``seq`` (run strictly in order)."""
+        from pagedllm.distributed.parallel_state import get_pp_group
+
+        with self._turn:
+            self._turn.wait_for(lambda: self._next_seq == seq)
+        try:
+            out = self.worker.execute_stage(scheduler_output, grammar, new_tokens)
+        finally:
+            with self._turn:
+                self._next_seq += 1
+                self._turn.notify_all()
+        if self.rank != get_pp_group().sampler_rank:
+            return None
+        return out, self.worker.runner.num_forward_tokens
+
     def sentinel(self) -> None:
         """Never returns while the actor lives: its failure is how the driver learns of a death."""
         self._forever.wait()
@@ -91,7 +115,10 @@ class RayWorker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        from pagedllm.distributed.parallel_state import get_pp_group
+
         self._forever.set()
+        get_pp_group().wait_sends()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -103,13 +130,22 @@ class RayExecutor:
     weight_bytes_per_rank: list[int]
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
+        if config.pipeline_parallel_size > 1:
+            from pagedllm.executor.multiproc import stage_partition
+
+            stage_partition(config, hf_config)  # a bad pp_layer_partition fails before Ray or any actor starts
         ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
-        world = config.tensor_parallel_size
+        self.pp_size = config.pipeline_parallel_size
+        world = config.tensor_parallel_size * self.pp_size
         self.world_size = world
+        self._sampler = (self.pp_size - 1) * config.tensor_parallel_size  # the rank that returns outputs
+        self._steps: collections.deque = collections.deque()  # pipeline parallel: refs of steps in flight
+        self._seq = 0
+        self._new_tokens: dict[str, list[int]] = {}
         self._own_ray = not ray.is_initialized()  # joined (or started) here: left again at shutdown
         if self._own_ray:
             ray.init(ignore_reinit_error=True, log_to_driver=True)
@@ -124,10 +160,10 @@ class RayExecutor:
             remove_placement_group(self._pg)
             raise ValueError(f"the Ray cluster cannot place {world} workers of {bundle} within "
                              f"{PLACEMENT_TIMEOUT_S:.0f} s (it has {ray.cluster_resources()}); lower "
-                             "tensor_parallel_size or cpu_threads, or add nodes")
+                             "tensor_parallel_size, pipeline_parallel_size or cpu_threads, or add nodes")
         actor_cls = ray.remote(RayWorker)
         self.actors = [
-            actor_cls.options(num_cpus=cpus, num_gpus=1 if use_gpu else 0, max_concurrency=2,
+            actor_cls.options(num_cpus=cpus, num_gpus=1 if use_gpu else 0, max_concurrency=2 + self.pp_size,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   self._pg, placement_group_bundle_index=i)).remote()
             for i in range(world)
@@ -198,10 +234,37 @@ class RayExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         ray = self._ray
+        if self.pp_size > 1:
+            self.submit(scheduler_output, grammar)
+            return self.collect()
         if self._dead_reason is not None:
             raise RuntimeError(f"{self._dead_reason}; the engine cannot continue")
         so = ray.put(scheduler_output)
         refs = [a.execute.remote(so, grammar if r == 0 else None) for r, a in enumerate(self.actors)]
+        return self._wait_step(refs, 0)
+
+    def submit(self, scheduler_output: SchedulerOutput, grammar=None) -> None:
+        """Pipeline parallelism: send a step to every actor without waiting for it."""
+        ray = self._ray
+        if self._dead_reason is not None:
+            raise RuntimeError(f"{self._dead_reason}; the engine cannot continue")
+        so = ray.put(scheduler_output)
+        new_tokens, self._new_tokens = self._new_tokens, {}
+        refs = [a.execute_stage.remote(self._seq, so, grammar if r == self._sampler else None, new_tokens)
+                for r, a in enumerate(self.actors)]
+        self._seq += 1
+        self._steps.append(refs)
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output."""
+        out = self._wait_step(self._steps.popleft(), self._sampler)
+        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
+            if toks:
+                self._new_tokens.setdefault(rid, []).extend(toks)
+        return out
+
+    def _wait_step(self, refs: list, result_rank: int) -> ModelRunnerOutput:
+        ray = self._ray
         pending, result = list(refs), None
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=None)
@@ -212,7 +275,7 @@ class RayExecutor:
                 self._fail(f"Ray worker rank {rank} failed during a step ({type(e).__name__}: "
                            f"{str(e).splitlines()[0] if str(e) else ''})")
                 raise RuntimeError(f"{self._dead_reason}; the engine cannot continue") from e
-            if ready[0] == refs[0]:
+            if ready[0] == refs[result_rank]:
                 result = value
         output, self._num_forward_tokens = result
         return output
@@ -222,6 +285,8 @@ class RayExecutor:
         self._closing = True
         if self._dead_reason is None:
             try:
+                while self._steps:  # pipeline steps still in flight: let the stages finish them
+                    self.collect()
                 ray.get([a.shutdown.remote() for a in self.actors], timeout=30)
             except Exception:
                 pass

@@ -1,5 +1,5 @@
-"""The Ray executor on a local Ray cluster (started once for the module): TP=2 through Ray actors
-gives TP=1's greedy tokens; a worker actor killed mid-run fails the running request with an
+"""The Ray executor on a local Ray cluster (started once for the module): TP=2 and PP=2 through Ray
+actors give TP=1's greedy tokens; a worker actor killed mid-run fails the running request with an
 error and the engine reports dead within 30 s (new requests are refused); no Ray, a clear error."""
 import asyncio
 import os
@@ -53,12 +53,34 @@ def test_ray_tp2_matches_tp1(ray_cluster, make_ckpt):
         llm.engine.shutdown()
 
 
-def test_killed_worker_fails_requests_and_the_engine_fast(ray_cluster, make_ckpt):
+def test_ray_pp2_matches_pp1(ray_cluster, make_ckpt):
+    """Two pipeline stages as Ray actors (hidden states actor to actor over gloo), two steps in
+    flight: PP=1's greedy tokens, also from the prefix cache."""
+    path = make_ckpt("ray_llama", "llama", heads=4, kv_heads=2)
+    one = LLM(model=path, **KW)
+    try:
+        want = greedy(one)
+    finally:
+        one.engine.shutdown()
+    llm = LLM(model=path, pipeline_parallel_size=2, distributed_executor_backend="ray", cpu_threads=1, **KW)
+    try:
+        ex = llm.engine.core.executor
+        assert type(ex).__name__ == "RayExecutor" and len(ex.actors) == 2
+        assert greedy(llm) == want
+        assert greedy(llm) == want
+        stats = llm.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks and stats.prefix_cache_hits > 0
+        assert ex.weight_bytes_per_rank[0] < 0.75 * sum(ex.weight_bytes_per_rank)  # each stage: its own layers
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_killed_worker_fails_requests_and_the_engine_fast(ray_cluster, make_ckpt, split):
     from pagedllm.engine.async_llm import AsyncLLM
 
     path = make_ckpt("ray_llama", "llama", heads=4, kv_heads=2)
-    engine = AsyncLLM(EngineConfig(model=path, tensor_parallel_size=2, distributed_executor_backend="ray",
-                                   cpu_threads=1, **KW))
+    engine = AsyncLLM(EngineConfig(model=path, distributed_executor_backend="ray", cpu_threads=1, **split, **KW))
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def run() -> BaseException:
@@ -100,8 +122,8 @@ def test_missing_ray_and_bad_settings_are_clear_errors(monkeypatch, make_ckpt):
     path = make_ckpt("ray_llama", "llama", heads=4, kv_heads=2)
     with pytest.raises(ValueError, match="distributed_executor_backend must be"):
         EngineConfig(model=path, distributed_executor_backend="slurm")
-    with pytest.raises(ValueError, match="pipeline_parallel_size 2 is not supported"):
-        EngineConfig(model=path, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="sums to 3"):  # before any actor starts
+        LLM(model=path, pipeline_parallel_size=2, pp_layer_partition="1,2", distributed_executor_backend="ray", **KW)
     with pytest.raises(ValueError, match="Ray gives each worker its own GPU"):
         EngineConfig(model=path, distributed_executor_backend="ray", device="cuda:1")
     with pytest.raises(ValueError, match="cpu_threads_bind is for"):
