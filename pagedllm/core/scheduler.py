@@ -51,6 +51,7 @@ class Scheduler:
         self._rewound_ids: set[str] = set()  # preempted by rewind(): workers drop them next step
         self._sent_to_workers: set[str] = set()
         self.in_flight: set[str] = set()  # pipeline parallel: in a batch whose output is not back (not scheduled)
+        self.max_batch_reqs = 0  # pipeline parallel: most requests in one micro-batch (0 = no cap)
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_steps = 0
@@ -95,6 +96,8 @@ class Scheduler:
 
         i = 0
         while i < len(self.running) and budget > 0:
+            if self.max_batch_reqs and len(num_scheduled) >= self.max_batch_reqs:
+                break
             req = self.running[i]
             if req.beam is not None:  # a beam group: scheduled whole (core/beam_scheduling.py)
                 i, budget, stop = beam_scheduling.schedule_running(self, i, budget, only, num_scheduled, new_reqs,
@@ -140,7 +143,8 @@ class Scheduler:
         # Admit waiting requests (none if we just had to preempt: memory is tight).
         if not preempted:
             skipped: list[Request] = []
-            while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            while (self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs
+                   and not (self.max_batch_reqs and len(num_scheduled) >= self.max_batch_reqs)):
                 req = self.waiting[0]
                 if req.beam is not None:  # a beam group: admitted whole or not at all
                     verdict, budget = beam_scheduling.admit(self, budget, only, num_scheduled, new_reqs)

@@ -5,7 +5,8 @@ up to P batches in flight (``_step_pipelined``): it schedules and submits batche
 than P are out, and otherwise collects the oldest one's output. With P batches out every stage
 has one to work on in the steady state; more would only queue at stage 0, fewer leaves a stage
 idle. A request in a batch in flight is not scheduled again until that batch's output is back
-(its next token is not known yet); outputs are applied in submission order.
+(its next token is not known yet), so each batch takes at most 1/P of the requests (the rest
+form the next micro-batches); outputs are applied in submission order.
 """
 from __future__ import annotations
 
@@ -137,9 +138,13 @@ class EngineCore:
         """Submit a new batch while fewer than pipeline_parallel_size are in flight; else (or
         when nothing new can be scheduled) collect the oldest batch's output. A failure here is
         the engine's: the stages are out of step, so no request is retried."""
-        queue = self._batch_queue
+        queue, sched = self._batch_queue, self.scheduler
         if len(queue) < self.pp_size:
-            so = self.scheduler.schedule()
+            # micro-batches split the requests: each takes at most 1/P of them, so the next batch
+            # has requests that are not in flight (with one batch of all of them, stages would idle)
+            sched.max_batch_reqs = -(-min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
+                                     // self.pp_size)
+            so = sched.schedule()
             if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
                 self.executor.submit(so, grammar)

@@ -104,6 +104,41 @@ def test_pp2_logprobs_and_seeded_sampling_match_pp1(ckpt):
     assert two[0].prompt_logprobs is not None and len(two[0].prompt_logprobs) == len(one[0].prompt_logprobs)
 
 
+def test_pp_batches_overlap_and_never_repeat_a_request_in_flight(ckpt, reference):
+    """Two batches in flight (one per stage); a batch never schedules a request whose previous
+    batch has not come back; outputs are applied in order (PP=1's tokens)."""
+    llm = LLM(model=ckpt, dtype="float32", pipeline_parallel_size=2, kv_cache_memory=4 << 20, max_num_seqs=2)
+    core = llm.engine.core
+    ex = core.executor
+    depths, submit = [], ex.submit
+
+    def checked_submit(so, grammar=None):
+        assert not set(so.num_scheduled_tokens) & core.scheduler.in_flight
+        depths.append(len(core._batch_queue))
+        return submit(so, grammar)
+
+    ex.submit = checked_submit
+    try:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == reference[0]
+    assert max(depths) == 1  # a second batch was submitted while one was in flight
+    assert not core.scheduler.in_flight
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("qwen3", dict(tie=True, layers=3)),  # tied head: the last stage loads it from the embedding tensor
+    ("qwen2_moe", dict(layers=3, extra=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            shared_expert_intermediate_size=48))),
+])
+def test_pp2_other_llama_family_members(make_ckpt, arch, kw):
+    path = make_ckpt(f"pp_{arch}", arch, heads=4, kv_heads=2, **kw)
+    want, _, _ = greedy(path, PROMPTS[:3])
+    got, _, _ = greedy(path, PROMPTS[:3], pipeline_parallel_size=2)  # 3 layers: 2 + 1
+    assert got == want
+
+
 def test_layer_partition_rules_and_bad_partitions(ckpt):
     assert layer_partition(10, 4) == [3, 3, 2, 2]  # the remainder goes to the first stages
     assert layer_partition(7, 2) == [4, 3]
