@@ -262,3 +262,21 @@ def test_early_consumption_of_long_prompts_proposes_the_same(llama_ckpt, head, m
 
     a, b = drafts_with(8), drafts_with(10_000)
     assert a == b and sum(len(d) for d in a) > 10
+
+
+def test_shipped_head_for_the_default_model_is_accepted():
+    """models/tiny-shakespeare-eagle (scripts/train_eagle_head.py): greedy output identical to
+    plain decoding of the default model, and more than one token per drafted step."""
+    import os
+
+    from pagedllm.config import default_model_path
+
+    head = os.path.join(os.path.dirname(default_model_path()), "tiny-shakespeare-eagle")
+    prompts = ["ROMEO:\nWhat light", "First Citizen:\nBefore we proceed", "KING HENRY:\nNow, lords,"]
+    sp = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    base = LLM(kv_cache_memory=32 << 20).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(kv_cache_memory=32 << 20, speculative_config=spec(head, 3))
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
+    s = llm.get_stats()
+    assert 1 + s.spec_num_accepted_tokens / s.spec_num_drafts > 1.5, s
