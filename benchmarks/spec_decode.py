@@ -76,10 +76,10 @@ def trimmed_draft(keep: int = 2) -> str:
     return path
 
 
-def methods(k_ngram: int, k_draft: int) -> dict:
+def methods(k_ngram: int, k_draft: int, n_min: int, n_max: int) -> dict:
     out = {"none": None,
-           "ngram": {"method": "ngram", "num_speculative_tokens": k_ngram, "prompt_lookup_min": 2,
-                     "prompt_lookup_max": 5}}
+           "ngram": {"method": "ngram", "num_speculative_tokens": k_ngram, "prompt_lookup_min": n_min,
+                     "prompt_lookup_max": n_max}}
     if os.path.isfile(os.path.join(DRAFT, "config.json")):
         out["draft_model"] = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k_draft}
     out["draft_trim2"] = {"method": "draft_model", "model": trimmed_draft(2), "num_speculative_tokens": k_draft}
@@ -87,13 +87,35 @@ def methods(k_ngram: int, k_draft: int) -> dict:
 
 
 class StepTimer:
-    """Wraps the runner's proposer: the time spent proposing, and the whole step time."""
+    """Times every engine step (schedule + execute + update) and the proposer's share, and keeps
+    what each step was: decode-only or not, speculative (draft slots) or plain, tokens emitted."""
 
     def __init__(self, llm) -> None:
-        self.runner = llm.engine.core.executor.worker.runner
-        self.draft_s = 0.0
-        spec = self.runner.spec
-        self.governor = getattr(spec, "governor", None)
+        core = llm.engine.core
+        self.runner = core.executor.worker.runner
+        self.governor = core.scheduler.spec_governor
+        self.steps: list[tuple[bool, bool, float, float, int, int]] = []  # decode_only, spec, wall, draft, reqs, tokens
+        self._draft = 0.0
+        self._so = None
+        sched, spec = core.scheduler, self.runner.spec
+        inner_schedule, inner_step = sched.schedule, core.step
+
+        def schedule(*a, **kw):
+            self._so = so = inner_schedule(*a, **kw)
+            return so
+
+        def step():
+            self._draft, t0 = 0.0, time.perf_counter()
+            outs = inner_step()
+            wall, so = time.perf_counter() - t0, self._so
+            if so is not None and so.num_scheduled_tokens:
+                slots = so.num_spec_slots
+                decode = all(n == 1 + slots.get(r, 0) for r, n in so.num_scheduled_tokens.items())
+                self.steps.append((decode, bool(slots), wall, self._draft, len(so.num_scheduled_tokens),
+                                   sum(len(o.new_token_ids) for o in outs)))
+            return outs
+
+        sched.schedule, core.step = schedule, step
         if spec is not None:
             inner = spec.propose
 
@@ -102,29 +124,44 @@ class StepTimer:
                 try:
                     return inner(runner, so)
                 finally:
-                    self.draft_s += time.perf_counter() - t0
+                    self._draft += time.perf_counter() - t0
 
             spec.propose = timed
 
+    def summary(self) -> dict:
+        """Decode-only steps: mean wall time of plain and speculative ones (ms), the proposer's
+        share of a speculative one, tokens per request per speculative step, the speculative
+        fraction of decode request-steps."""
+        def mean(xs):
+            return 1e3 * sum(xs) / len(xs) if xs else None
 
-def run_one(llm, prompts, max_tokens: int) -> dict:
+        dec = [s for s in self.steps if s[0]]
+        spec = [s for s in dec if s[1]]
+        plain = [s for s in dec if not s[1]]
+        reqs_spec = sum(s[4] for s in spec)
+        return dict(t_plain=mean([s[2] for s in plain]), t_spec=mean([s[2] for s in spec]),
+                    t_draft=mean([s[3] for s in spec]), n_spec=len(spec), n_plain=len(plain),
+                    e_spec=sum(s[5] for s in spec) / reqs_spec if reqs_spec else None,
+                    f_spec=reqs_spec / max(sum(s[4] for s in dec), 1))
+
+
+def run_one(llm, timer: StepTimer, prompts, max_tokens: int, one_at_a_time: bool) -> dict:
+    """``one_at_a_time``: each prompt alone (batch-1 latency), else all at once."""
     from pagedllm import SamplingParams
 
-    timer = StepTimer(llm)
-    plain0 = timer.governor.num_plain_steps if timer.governor is not None else 0
+    timer.steps.clear()
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     s0 = llm.get_stats()
     t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    groups = [[p] for p in prompts] if one_at_a_time else [prompts]
+    outs = [o for g in groups for o in llm.generate(g, sp, use_tqdm=False)]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     s1 = llm.get_stats()
     steps = s1.num_steps - s0.num_steps
-    drafts = s1.spec_num_drafts - s0.spec_num_drafts
-    proposed = s1.spec_num_draft_tokens - s0.spec_num_draft_tokens
-    accepted = s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens
     n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(plain_steps=timer.governor.num_plain_steps - plain0 if timer.governor is not None else 0, wall=wall, cpu=cpu, tokens=n_tok, steps=steps, step_ms=1e3 * wall / max(steps, 1),
-                draft_ms=1e3 * timer.draft_s / max(steps, 1), drafts=drafts, proposed=proposed, accepted=accepted,
+    return dict(wall=wall, cpu=cpu, tokens=n_tok, steps=steps, step_ms=1e3 * wall / max(steps, 1),
+                drafts=s1.spec_num_drafts - s0.spec_num_drafts, proposed=s1.spec_num_draft_tokens - s0.spec_num_draft_tokens,
+                accepted=s1.spec_num_accepted_tokens - s0.spec_num_accepted_tokens, **timer.summary(),
                 outputs=[o.outputs[0].token_ids for o in outs])
 
 
@@ -132,12 +169,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--workloads", nargs="+", default=["repetitive", "open"])
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--k-ngram", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--k-ngram", type=int, default=8)
+    ap.add_argument("--ngram-min", type=int, default=1, help="prompt_lookup_min")
+    ap.add_argument("--ngram-max", type=int, default=5, help="prompt_lookup_max")
     ap.add_argument("--k-draft", type=int, default=3)
+    ap.add_argument("--latency-prompts", type=int, default=8, help="batch 1: this many prompts, one at a time")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--methods", nargs="+", default=None, help="subset of none, ngram, draft_model, draft_trim2")
-    ap.add_argument("--no-auto-disable", action="store_true", help="speculate in every step (no governor)")
+    ap.add_argument("--methods", nargs="+", default=None,
+                    help="subset of none, ngram, draft_model, draft_trim2 (+ '-always': the same without the governor)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1: CPU seconds per token are a load-independent figure on a shared machine)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
@@ -146,19 +186,20 @@ def main() -> None:
     from pagedllm import LLM
 
     rows, raw = [], []
-    all_methods = methods(args.k_ngram, args.k_draft)
-    if args.no_auto_disable:
-        all_methods = {m: c and {**c, "auto_disable": False} for m, c in all_methods.items()}
-    chosen = {m: c for m, c in all_methods.items() if args.methods is None or m in args.methods}
+    all_methods = methods(args.k_ngram, args.k_draft, args.ngram_min, args.ngram_max)
+    all_methods.update({f"{m}-always": {**c, "auto_disable": False} for m, c in list(all_methods.items()) if c})
+    default = [m for m in all_methods if m != "draft_trim2" and not m.endswith("-always")]
+    chosen = {m: c for m, c in all_methods.items() if m in (args.methods or default)}
     engines = {m: LLM(model=TARGET, dtype="float32", speculative_config=c, kv_cache_memory=256 << 20, cpu_threads=args.threads,
                       max_num_seqs=max(args.batches), enable_prefix_caching=False) for m, c in chosen.items()}
+    timers = {m: StepTimer(llm) for m, llm in engines.items()}
     for workload in args.workloads:
         for batch in args.batches:
-            prompts = prompts_for(workload, batch)
+            prompts = prompts_for(workload, args.latency_prompts if batch == 1 else batch)
             best: dict[str, dict] = {}
             for _ in range(args.rounds):  # methods alternate inside a round: the same machine load
                 for m, llm in engines.items():
-                    r = run_one(llm, prompts, args.max_tokens)
+                    r = run_one(llm, timers[m], prompts, args.max_tokens, one_at_a_time=batch == 1)
                     if m not in best or r["wall"] < best[m]["wall"]:
                         best[m] = r
             base = best.get("none")
@@ -166,30 +207,32 @@ def main() -> None:
                 same = base is None or r["outputs"] == base["outputs"]
                 tok_s = r["tokens"] / r["wall"]
                 row = dict(workload=workload, batch=batch, method=m, tok_s=round(tok_s, 1),
-                           cpu_ms_tok=round(1e3 * r["cpu"] / r["tokens"], 2),
-                           step_ms=round(r["step_ms"], 2), draft_ms=round(r["draft_ms"], 2), identical=same)
+                           cpu_ms_tok=round(1e3 * r["cpu"] / r["tokens"], 2), identical=same,
+                           t_plain=r["t_plain"] and round(r["t_plain"], 2), plain_steps=r["n_plain"],
+                           spec_steps=r["n_spec"])
                 if r["drafts"]:
-                    k = args.k_ngram if m == "ngram" else args.k_draft
-                    row["plain_steps"] = r["plain_steps"]
                     a = r["accepted"] / max(r["proposed"], 1)
-                    mean_len = 1 + r["accepted"] / r["drafts"]
-                    model_len = (1 - a ** (k + 1)) / (1 - a) if a < 1 else k + 1
-                    row.update(acceptance=round(a, 3), mean_len=round(mean_len, 2), iid_len=round(model_len, 2),
-                               drafted=round(r["drafts"] / max(r["tokens"] / (1 + r["accepted"] / r["drafts"]), 1), 2))
+                    row.update(acceptance=round(a, 3), mean_len=round(1 + r["accepted"] / r["drafts"], 2),
+                               e_spec=round(r["e_spec"], 2), t_spec=round(r["t_spec"], 2),
+                               t_draft=round(r["t_draft"], 2), t_verify=round(r["t_spec"] - r["t_draft"], 2))
                 if base is not None:
                     row["speedup"] = round(tok_s / (base["tokens"] / base["wall"]), 2)
                     row["cpu_speedup"] = round((base["cpu"] / base["tokens"]) / (r["cpu"] / r["tokens"]), 2)
-                    if r["drafts"]:
-                        # the cost model: E(a, k) tokens per step (i.i.d. acceptance at the measured
-                        # rate a) at the cost t_draft + t_verify (this run's step) over t_plain
-                        # (E = 1 in request-steps without drafts: no n-gram match, or the governor's plain steps)
-                        e_eff = row["drafted"] * mean_len + (1 - row["drafted"])
-                        row["predicted"] = round(e_eff * base["step_ms"] / r["step_ms"], 2)
+                    if r["drafts"] and r["t_spec"] and base["t_plain"]:
+                        # the cost model, decode steps: a speculative step emits E tokens per request in
+                        # t_draft + t_verify, a plain one 1 token in t_plain (from the no-speculation run);
+                        # a fraction f of the request-steps speculated (the governor ran the rest plainly)
+                        f, e, tp = r["f_spec"], r["e_spec"], base["t_plain"]
+                        row["predicted"] = round((f * e + 1 - f) * tp / (f * r["t_spec"] + (1 - f) * tp), 2)
+                        # measured, decode steps only (the same steps the prediction covers)
+                        dec_tokens_per_ms = (f * e + 1 - f) / (f * r["t_spec"] + (1 - f) * (r["t_plain"] or tp))
+                        row["decode_speedup"] = round(dec_tokens_per_ms * tp, 2)
                 rows.append(row)
                 print(json.dumps(row), flush=True)  # as it comes: a shared machine may cut the run short
                 raw.append({**row, **{k: v for k, v in r.items() if k != "outputs"}})
-    print_table(rows, ["workload", "batch", "method", "tok_s", "speedup", "cpu_ms_tok", "cpu_speedup", "predicted", "step_ms", "draft_ms",
-                       "acceptance", "mean_len", "iid_len", "plain_steps", "identical"])
+    print_table(rows, ["workload", "batch", "method", "tok_s", "speedup", "cpu_ms_tok", "cpu_speedup", "predicted",
+                       "decode_speedup", "t_plain", "t_spec", "t_draft", "t_verify", "acceptance", "mean_len", "e_spec",
+                       "spec_steps", "plain_steps", "identical"])
     write_json(args.out, {"args": vars(args), "rows": raw})
 
 

@@ -28,7 +28,12 @@ def _spec_limits(config: EngineConfig) -> dict:
     spec = config.speculative_config
     if spec is None:
         return {}
-    return {"num_spec_tokens": spec.num_speculative_tokens, "spec_disable_batch_size": spec.disable_by_batch_size or 0}
+    disable = spec.disable_by_batch_size
+    if disable is None:  # auto_disable's measured default (spec_decode/governor.py): 16 on CPU, none elsewhere
+        from pagedllm.spec_decode.governor import default_disable_batch_size
+
+        disable = default_disable_batch_size(config.device) if spec.auto_disable else 0
+    return {"num_spec_tokens": spec.num_speculative_tokens, "spec_disable_batch_size": disable}
 
 
 class EngineCore:

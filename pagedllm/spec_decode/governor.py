@@ -40,6 +40,24 @@ import time
 from typing import Optional
 
 
+# Measured on the 2-core AVX-512 CPU (docs/benchmarks.md, issue 20): from 16 running requests on, a
+# verification forward of k + 1 tokens per request costs about what its accepted tokens save, and
+# at 32 n-gram speculation lost 10-18% on the copy workload (closed batches: requests that finish at
+# different steps leave a thin tail). So on CPU, unless the user sets disable_by_batch_size, no
+# drafts while this many requests run; below it the governor decides per batch size.
+CPU_DISABLE_BATCH_SIZE = 16
+
+
+def default_disable_batch_size(device: str) -> int:
+    """``disable_by_batch_size`` when the user gives none and auto_disable is on: CPU_DISABLE_BATCH_SIZE on CPU, else 0
+    (never; the governor still decides per batch-size bucket)."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return CPU_DISABLE_BATCH_SIZE if device == "cpu" else 0
+
+
 class _Bucket:
     __slots__ = ("t_spec", "t_plain", "tokens_spec", "n_spec", "n_plain", "speculate", "left", "probing",
                  "window", "free_plain", "speculate_before")
@@ -64,7 +82,7 @@ def bucket_of(batch_size: int) -> int:
 
 
 class SpecGovernor:
-    def __init__(self, window: int = 32, probe: int = 4, decay: float = 0.8, max_window: int = 256) -> None:
+    def __init__(self, window: int = 8, probe: int = 4, decay: float = 0.8, max_window: int = 256) -> None:
         self.window, self.probe, self.decay, self.max_window = window, probe, decay, max_window
         self.buckets: dict[int, _Bucket] = {}
         self.num_plain_steps = 0  # steps planned plain (statistics and tests)

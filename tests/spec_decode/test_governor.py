@@ -4,7 +4,7 @@ it: a plain step reserves no draft slots (seeded requests excepted) and its outp
 same."""
 from pagedllm.core.contracts import ModelRunnerOutput
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.governor import SpecGovernor, bucket_of
@@ -150,3 +150,28 @@ def test_toggling_modes_mid_request_keeps_counts_exact():
         step(s, accept=2)
     assert req.num_output_tokens == 30 and kv.num_free_blocks == 64  # max_tokens exact, nothing leaked
     assert s.spec_stats[0] > 0 and s.spec_stats[2] == 2 * s.spec_stats[0]
+
+
+def test_no_drafts_from_the_disable_batch_size_on_with_a_cpu_default():
+    from types import SimpleNamespace
+
+    from pagedllm.config import SpeculativeConfig
+    from pagedllm.engine.core import _spec_limits
+    from pagedllm.spec_decode.governor import CPU_DISABLE_BATCH_SIZE
+
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    limits = _spec_limits(SimpleNamespace(speculative_config=spec, device="cpu"))
+    assert limits["spec_disable_batch_size"] == CPU_DISABLE_BATCH_SIZE
+    always = SpeculativeConfig(method="ngram", num_speculative_tokens=3, auto_disable=False)
+    assert _spec_limits(SimpleNamespace(speculative_config=always, device="cpu"))["spec_disable_batch_size"] == 0
+    spec5 = SpeculativeConfig(method="ngram", num_speculative_tokens=3, disable_by_batch_size=5)
+    assert _spec_limits(SimpleNamespace(speculative_config=spec5, device="cpu"))["spec_disable_batch_size"] == 5
+
+    kv = KVCacheManager(256, 4, True)
+    s = Scheduler(SchedulerLimits(32, 512, 256, num_spec_tokens=3, spec_disable_batch_size=4), kv)
+    for i in range(4):
+        s.add_request(Request(f"r{i}", list(range(10)), SamplingParams(max_tokens=5, ignore_eos=True), max_tokens=5))
+    step(s)
+    assert step(s).num_spec_slots == {}  # 4 running: no drafts
+    s.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    assert len(step(s).num_spec_slots) == 3  # 3 running: drafts again
