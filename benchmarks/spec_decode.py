@@ -5,20 +5,28 @@ Target: the embedded default model (models/tiny-shakespeare); draft: the same re
 (``python scripts/train_default_model.py --preset draft`` -> models/tiny-shakespeare-draft),
 same tokenizer. Workloads (greedy, ignore_eos, fixed max_tokens):
   repetitive  -- a passage from the validation text, then the instruction to repeat it and its
-                 first line again: the answer largely copies the prompt (what prompt lookup is for);
+                 first line again (this small model does not copy it: what n-gram lookup finds are
+                 the loops it falls into, and the passage's names and phrases);
   open        -- the first lines of validation passages, continued freely.
+Batch 1 is latency: ``--latency-prompts`` prompts, each alone; larger batches run all at once.
 
-For every (workload, batch, method) the same prompts run back to back ``--rounds`` times; the
-best round counts (the machine is shared). The cost model: with per-token acceptance a and k
-drafts, a drafted step emits E = (1 - a^(k+1)) / (1 - a) tokens per request if acceptances were
-independent (``iid_len``; ``mean_len`` is what was measured); a fraction ``drafted`` of the
-request-steps had drafts (the others emit 1 token). A plain decode step costs t_plain, a
-speculative one t_draft + t_verify (``draft_ms`` is the proposer's share of ``step_ms``).
-Predicted speed-up = (drafted * mean_len + 1 - drafted) * t_plain / t_spec, checked against the
-measured tok/s ratio (``speedup``; ``cpu_speedup`` is the same from the process's CPU seconds,
-steadier on a shared machine with ``--threads 1``).
+Methods: none, ngram (k = ``--k-ngram``, n = ``--ngram-min``..``--ngram-max``), draft_model
+(k = ``--k-draft``), draft_trim2 (the target cut to 2 layers, untrained); each with the governor
+(``auto_disable``, the default) and as ``<method>-always`` (every step speculates). For every
+(workload, batch, method) the same prompts run back to back ``--rounds`` times; the best round
+counts (the machine is shared).
 
-    python benchmarks/spec_decode.py --batches 1 32 --max-tokens 96 --threads 1
+The cost model, over decode steps (``StepTimer``: every engine step timed, schedule to update):
+a plain step costs t_plain (the no-speculation run's mean) and emits 1 token per request; a
+speculative one costs t_spec = t_draft (the proposer: n-gram lookup or the draft model's
+forwards) + t_verify (the target's (k+1)-token forward, verification, bookkeeping) and emits E
+tokens per request (measured); a fraction f of the request-steps speculated (the governor ran the
+others plainly). Predicted decode speed-up = (f E + 1 - f) t_plain / (f t_spec + (1 - f) t_plain),
+checked against the measured tok/s ratio (``speedup``; ``cpu_speedup`` is the same from the
+process's CPU seconds, steadier on a shared machine with ``--threads 1``; prefill is in both).
+
+    python benchmarks/spec_decode.py --batches 1 32 --threads 1 \\
+        --methods none ngram ngram-always draft_model draft_model-always
 """
 from __future__ import annotations
 
@@ -210,7 +218,7 @@ def main() -> None:
                            cpu_ms_tok=round(1e3 * r["cpu"] / r["tokens"], 2), identical=same,
                            t_plain=r["t_plain"] and round(r["t_plain"], 2), plain_steps=r["n_plain"],
                            spec_steps=r["n_spec"])
-                if r["drafts"]:
+                if r["drafts"] and r["e_spec"] is not None:
                     a = r["accepted"] / max(r["proposed"], 1)
                     row.update(acceptance=round(a, 3), mean_len=round(1 + r["accepted"] / r["drafts"], 2),
                                e_spec=round(r["e_spec"], 2), t_spec=round(r["t_spec"], 2),
@@ -218,7 +226,7 @@ def main() -> None:
                 if base is not None:
                     row["speedup"] = round(tok_s / (base["tokens"] / base["wall"]), 2)
                     row["cpu_speedup"] = round((base["cpu"] / base["tokens"]) / (r["cpu"] / r["tokens"]), 2)
-                    if r["drafts"] and r["t_spec"] and base["t_plain"]:
+                    if r["drafts"] and r["e_spec"] is not None and base["t_plain"]:
                         # the cost model, decode steps: a speculative step emits E tokens per request in
                         # t_draft + t_verify, a plain one 1 token in t_plain (from the no-speculation run);
                         # a fraction f of the request-steps speculated (the governor ran the rest plainly)
