@@ -109,6 +109,10 @@ def _spawned_main(rank, world_size, port, args) -> None:
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
+    # Leave without the interpreter's teardown: the process group's C++ threads may still be
+    # winding down, and destroying them at exit can abort the process (seen with pipeline groups).
+    logging.shutdown()
+    os._exit(0)
 
 
 class MultiprocExecutor:

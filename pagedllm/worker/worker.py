@@ -316,9 +316,14 @@ class Worker:
         if leader:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tokens = num_blocks * spec.block_size
-            logger.info("memory plan (per rank): weights %s; activations %s%s (%d tokens per step); KV cache %s = %d "
+            pp = get_pp_group()
+            where = "per rank"
+            if pp.world_size > 1:  # this stage's weights and cache: its own layers only
+                start, end = getattr(self.model, "model", self.model).start, getattr(self.model, "model", self.model).end
+                where += f", pipeline stage {pp.rank} of {pp.world_size}: layers {start}..{end - 1}"
+            logger.info("memory plan (%s): weights %s; activations %s%s (%d tokens per step); KV cache %s = %d "
                         "blocks x %d tokens = %d tokens (%s per token); max concurrency at max_model_len %d: %.1f",
-                        gib(weights), "~" if self.device.type == "cpu" else "", gib(self.activation_bytes),
+                        where, gib(weights), "~" if self.device.type == "cpu" else "", gib(self.activation_bytes),
                         self.max_num_batched_tokens, gib(num_blocks * spec.bytes_per_block), num_blocks,
                         spec.block_size, tokens, gib(spec.bytes_per_block // spec.block_size), self.max_model_len,
                         tokens / self.max_model_len)
