@@ -13,7 +13,9 @@ Training, as in the paper: the target is frozen and run once without gradients o
 epochs: a target forward costs about a head step on this machine); the loss is feature regression (smooth L1 between f'
 and f) plus ``--cls-weight`` x the cross entropy of the head's token distribution against the
 target's (softmax(lm_head(f_{i+1}))); features get uniform noise (``--noise`` x their RMS) as the
-paper's augmentation against its own errors at later draft steps. The embedding and the LM
+paper's augmentation against its own errors at later draft steps. ``--cls-weight`` defaults to
+0.5 rather than the paper's 0.1: greedy acceptance is an argmax match, and the token loss
+moved it more than the feature loss on this small model. The embedding and the LM
 head are the target's (shared, frozen, not saved).
 
 Output: an EAGLE-1 checkpoint directory (config.json: a Llama config with num_hidden_layers 1;
@@ -61,7 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
     p.add_argument("--warmup-steps", type=int, default=20)
-    p.add_argument("--cls-weight", type=float, default=0.1, help="token loss weight (the paper: 0.1)")
+    p.add_argument("--cls-weight", type=float, default=0.5,
+                   help="token loss weight (the paper: 0.1; 0.5 gave 0.53 top-1 agreement here against 0.48, "
+                        "in 180 steps against 153 -- the machine's load set the step count)")
     p.add_argument("--noise", type=float, default=0.1, help="uniform feature noise, x the features' RMS")
     p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
     return p.parse_args(argv)
