@@ -3,7 +3,8 @@ speculation, with the acceptance figures and a cost model that predicts the spee
 
 Target: the embedded default model (models/tiny-shakespeare); draft: the same recipe, smaller
 (``python scripts/train_default_model.py --preset draft`` -> models/tiny-shakespeare-draft),
-same tokenizer. Workloads (greedy, ignore_eos, fixed max_tokens):
+same tokenizer; eagle: the EAGLE-1 head models/tiny-shakespeare-eagle (scripts/train_eagle_head.py),
+``--k-draft`` drafts. Workloads (greedy, ignore_eos, fixed max_tokens):
   repetitive  -- a passage from the validation text, then the instruction to repeat it and its
                  first line again (this small model does not copy it: what n-gram lookup finds are
                  the loops it falls into, and the passage's names and phrases);
@@ -42,6 +43,7 @@ from common import print_table, write_json  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(REPO, "models", "tiny-shakespeare")
 DRAFT = os.path.join(REPO, "models", "tiny-shakespeare-draft")
+EAGLE = os.path.join(REPO, "models", "tiny-shakespeare-eagle")  # scripts/train_eagle_head.py
 
 
 def passages(n: int, lines: int = 6) -> list[str]:
@@ -91,6 +93,8 @@ def methods(k_ngram: int, k_draft: int, n_min: int, n_max: int) -> dict:
     if os.path.isfile(os.path.join(DRAFT, "config.json")):
         out["draft_model"] = {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": k_draft}
     out["draft_trim2"] = {"method": "draft_model", "model": trimmed_draft(2), "num_speculative_tokens": k_draft}
+    if os.path.isfile(os.path.join(EAGLE, "config.json")):  # an EAGLE-1 head over the target's features
+        out["eagle"] = {"method": "eagle", "model": EAGLE, "num_speculative_tokens": k_draft}
     return out
 
 
@@ -185,7 +189,7 @@ def main() -> None:
     ap.add_argument("--latency-prompts", type=int, default=8, help="batch 1: this many prompts, one at a time")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=None,
-                    help="subset of none, ngram, draft_model, draft_trim2 (+ '-always': the same without the governor)")
+                    help="subset of none, ngram, draft_model, draft_trim2, eagle (+ '-always': the same without the governor)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (1: CPU seconds per token are a load-independent figure on a shared machine)")
     ap.add_argument("--out", default="benchmarks/results/spec_decode.json")
