@@ -138,7 +138,7 @@ def token_stream(args, target_dir: str) -> tuple[np.ndarray, np.ndarray, int]:
     split = int(len(text) * 0.9)  # the default model's split: first 90% train, the rest validation
     tok = Tokenizer.from_file(os.path.join(target_dir, "tokenizer.json"))
     bos = tok.token_to_id("<s>")
-    enc = lambda s: np.array([bos] + tok.encode(s).ids, dtype=np.int64)  # noqa: E731
+    enc = lambda s: np.array([bos] + tok.encode(s).ids, dtype=np.int64)
     return enc(text[:split]), enc(text[split:]), bos
 
 

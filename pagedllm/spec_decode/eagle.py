@@ -152,7 +152,7 @@ class EagleProposer:
             f = self.pending[s.req_id]
             f = f[0] if len(f) == 1 else torch.cat(f)
             feats.append(f[:m])
-            self.pending[s.req_id] = [f[m:]] if keep_last else []
+            self.pending[s.req_id] = [f[m:].clone()] if keep_last else []  # not a view: frees the gathered rows
             self.head_end[s.req_id] += m
         qsl = np.zeros(len(states) + 1, dtype=np.int64)
         np.cumsum(n, out=qsl[1:])

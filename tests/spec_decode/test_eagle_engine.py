@@ -1,18 +1,20 @@
 """EAGLE speculative decoding end to end: greedy output token-identical to no speculation with
 a random head (mostly rejected) under chunked prefill, prefix caching and preemption; a head
 that reproduces a bigram target's next token by construction is accepted (mean accepted length
-> 1); sampled runs work and follow the target at drafted positions; the loader maps EAGLE-1
-checkpoints with and without their own embedding, fc bias, a ``model.`` prefix, and
-pytorch_model.bin; unsupported targets are refused."""
+> 3 at k = 4), and so is the shipped head of the default model (> 1.5); sampled runs work and
+follow the target at drafted positions; the loader maps EAGLE-1 checkpoints with and without
+their own embedding, fc bias, a ``model.`` prefix, and pytorch_model.bin; the head module equals
+the EAGLE-1 equations in plain torch; early consumption of long prompts' features proposes the
+same drafts; unsupported targets are refused."""
 import math
 from collections import Counter
 
 import pytest
 import torch
+from eagle_heads import bigram_head_tensors, make_bigram_target, make_eagle_head
+from prompts import random_prompts
 
 from pagedllm import LLM, SamplingParams
-from prompts import random_prompts
-from eagle_heads import bigram_head_tensors, make_bigram_target, make_eagle_head
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -119,13 +121,14 @@ def test_loader_variants(llama_ckpt, ckpt_dir, reference, variant):
 
 def test_head_module_matches_a_plain_torch_reference(llama_ckpt, ckpt_dir):
     """EagleHead (our layers, paged attention) == the EAGLE-1 equations in plain torch."""
+    import numpy as np
+    from safetensors.torch import load_file
+
     from pagedllm.attention.backend import AttentionMetadata
     from pagedllm.attention.forward_context import set_attention_metadata
     from pagedllm.attention.selector import get_attention_backend
     from pagedllm.models.config_json import load_hf_config
     from pagedllm.models.eagle import EagleHead
-    from safetensors.torch import load_file
-    import numpy as np
 
     path = make_eagle_head(str(ckpt_dir / "eagle_ref2"), llama_ckpt, layers=2)
     hf = load_hf_config(path)
