@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.pipeline import stage_layers, stage_module
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.mla import MLAAttention
 from pagedllm.layers.moe import RouterConfig, SparseMoE, expert_weight_target
@@ -107,22 +108,23 @@ def deepseek_mlp(config, layer: int) -> nn.Module:
 class DeepseekV3Model(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # Llama's pre-norm layer around MLA and, after the first dense layers, the MoE MLP
-        self.layers = nn.ModuleList([
-            LlamaDecoderLayer(config, False, False, None, mlp=deepseek_mlp(config, i), attn=DeepseekV3Attention(config))
-            for i in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers, self.start, self.end, self.is_first, self.is_last = stage_layers(
+            config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(config, False, False, None, mlp=deepseek_mlp(config, i),
+                                        attn=DeepseekV3Attention(config)))
+        self.embed_tokens = stage_module(self.is_first, lambda: VocabParallelEmbedding(config.vocab_size,
+                                                                                       config.hidden_size))
+        self.norm = stage_module(self.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(config.qk_rope_head_dim, config.max_position_embeddings, theta, scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        h, residual = (self.embed_tokens(input_ids), None) if self.is_first else intermediate
         rope = self.rotary.cos_sin(positions, h.dtype)
-        residual = None
-        for layer in self.layers:
+        for layer in self.layers[self.start : self.end]:
             h, residual = layer(rope, h, residual)
-        return self.norm(h, residual)[0]
+        return self.norm(h, residual)[0] if self.is_last else [h, residual]
 
 
 class DeepseekV3ForCausalLM(nn.Module):
@@ -132,17 +134,20 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV3Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = stage_module(self.model.is_last, lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    supports_pp = True
+    pp_num_intermediate = 2  # hidden states and the residual stream
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[MLAAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start : self.model.end]]
 
     def mha_kv_elements_per_token(self) -> int:
         """What the same attention would cache per token as plain MHA (K of qk_head_dim and V of

@@ -18,6 +18,7 @@ from torch import nn
 from pagedllm.layers.activation import GeluAndMul, gelu_approximate
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.pipeline import stage_layers, stage_module
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -107,24 +108,26 @@ class GemmaModel(nn.Module):
 
     def __init__(self, config, types: list[str], ropes: dict[str, RotaryEmbedding], qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.normalizer = float(config.hidden_size) ** 0.5
         window = config.sliding_window
         self.types = types
-        self.layers = nn.ModuleList([
-            GemmaDecoderLayer(config, window if t == "sliding_attention" else None, qk_norm) for t in types
-        ])
-        self.norm = gemma_norm(config.hidden_size, config)
+        self.layers, self.start, self.end, self.is_first, self.is_last = stage_layers(
+            len(types), lambda i: GemmaDecoderLayer(config, window if types[i] == "sliding_attention" else None, qk_norm))
+        self.embed_tokens = stage_module(self.is_first, lambda: VocabParallelEmbedding(config.vocab_size,
+                                                                                       config.hidden_size))
+        self.norm = stage_module(self.is_last, lambda: gemma_norm(config.hidden_size, config))
         self.ropes = nn.ModuleDict(ropes)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        h = h * torch.tensor(self.normalizer, dtype=h.dtype)  # rounded to the dtype first, as HF
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        if self.is_first:
+            h = self.embed_tokens(input_ids)
+            h, residual = h * torch.tensor(self.normalizer, dtype=h.dtype), None  # rounded to the dtype first, as HF
+        else:
+            h, residual = intermediate
         cos_sin = {name: rope.cos_sin(positions, h.dtype) for name, rope in self.ropes.items()}
-        residual = None
-        for t, layer in zip(self.types, self.layers):
+        for t, layer in zip(self.types[self.start : self.end], self.layers[self.start : self.end]):
             h, residual = layer(cos_sin.get(t, cos_sin["full_attention"]), h, residual)
-        return self.norm(h, residual)[0]
+        return self.norm(h, residual)[0] if self.is_last else [h, residual]
 
 
 class GemmaCausalLM(nn.Module):
@@ -132,17 +135,19 @@ class GemmaCausalLM(nn.Module):
     logit soft-cap; shared by Gemma 2 and Gemma 3."""
 
     packed_modules_mapping = FUSED_QKV_GATE_UP
+    supports_pp = True
+    pp_num_intermediate = 2  # hidden states and the residual stream
 
     def __init__(self, config, model: GemmaModel) -> None:
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = stage_module(model.is_last, lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.final_soft_cap = getattr(config, "final_logit_softcapping", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -151,7 +156,7 @@ class GemmaCausalLM(nn.Module):
         return logits
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start : self.model.end]]
 
 
 class Gemma2ForCausalLM(GemmaCausalLM):

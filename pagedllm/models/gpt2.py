@@ -21,6 +21,7 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import LayerNorm
 from pagedllm.models.checkpoint_views import TransposedView, split_rows
+from pagedllm.models.pipeline import stage_layers, stage_module
 
 # checkpoint name (after "transformer." and "h.N." became "model." and "layers.N.") -> ours
 _RENAMES = {"attn.c_proj.": "attn.o_proj.", "mlp.c_fc.": "mlp.fc.", "mlp.c_proj.": "mlp.proj.",
@@ -75,16 +76,18 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Parameter(torch.zeros(config.n_positions, config.n_embd), requires_grad=False)
-        self.layers = nn.ModuleList([GPT2Block(config, i) for i in range(config.n_layer)])
-        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon)
+        self.layers, self.start, self.end, self.is_first, self.is_last = stage_layers(
+            config.n_layer, lambda i: GPT2Block(config, i))
+        self.embed_tokens = stage_module(self.is_first, lambda: VocabParallelEmbedding(config.vocab_size, config.n_embd))
+        # the learned positions belong with the embedding (the loader skips them on the other stages)
+        self.wpe = nn.Parameter(torch.zeros(config.n_positions, config.n_embd), requires_grad=False) if self.is_first else None
+        self.ln_f = stage_module(self.is_last, lambda: LayerNorm(config.n_embd, config.layer_norm_epsilon))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) + F.embedding(positions, self.wpe)
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        h = self.embed_tokens(input_ids) + F.embedding(positions, self.wpe) if self.is_first else intermediate[0]
+        for layer in self.layers[self.start : self.end]:
             h = layer(h)
-        return self.ln_f(h)
+        return self.ln_f(h) if self.is_last else [h]
 
 
 class GPT2LMHeadModel(nn.Module):
@@ -94,18 +97,23 @@ class GPT2LMHeadModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = GPT2Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd)
+        self.lm_head = stage_module(self.model.is_last, lambda: ParallelLMHead(config.vocab_size, config.n_embd))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.hidden = config.n_embd
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    supports_pp = True
+    pp_num_intermediate = 1  # the residual stream itself
+    pp_hidden_size = property(lambda self: self.hidden)
+    pp_missing_names = property(lambda self: () if self.model.is_first else ("model.wpe",))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.attn.attn for layer in self.model.layers]
+        return [layer.attn.attn for layer in self.model.layers[self.model.start : self.model.end]]
 
     def checkpoint_tensors(self, weights: Iterator) -> Iterator:
         """HF names -> ours; Conv1D weights transposed, c_attn split into q/k/v."""

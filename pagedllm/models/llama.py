@@ -16,8 +16,7 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
-from pagedllm.distributed.parallel_state import get_pp_group
-from pagedllm.models.pipeline import PPMissingLayer, stage_module
+from pagedllm.models.pipeline import stage_layers, stage_module
 
 
 def rope_settings(config) -> tuple[float, Optional[dict]]:
@@ -111,16 +110,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool = False, qk_norm: bool = False, make_mlp=None) -> None:
         """``make_mlp(config, layer_index)``: a family's MLP for a layer (None: LlamaMLP)."""
         super().__init__()
-        pp = get_pp_group()  # pipeline parallel: this stage's layers only (placeholders elsewhere)
-        self.is_first, self.is_last = pp.is_first, pp.is_last
-        self.start, self.end = pp.layer_range(config.num_hidden_layers)
+        sliding_window = self._sliding_window(config)
+        # pipeline parallel: this stage's layers only (placeholders elsewhere)
+        self.layers, self.start, self.end, self.is_first, self.is_last = stage_layers(
+            config.num_hidden_layers,
+            lambda i: LlamaDecoderLayer(config, qkv_bias, qk_norm, sliding_window, make_mlp(config, i) if make_mlp else None))
         self.embed_tokens = stage_module(self.is_first, lambda: VocabParallelEmbedding(config.vocab_size,
                                                                                        config.hidden_size))
-        sliding_window = self._sliding_window(config)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, qkv_bias, qk_norm, sliding_window, make_mlp(config, i) if make_mlp else None)
-             if self.start <= i < self.end else PPMissingLayer() for i in range(config.num_hidden_layers)]
-        )
         self.norm = stage_module(self.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         theta, scaling = rope_settings(config)

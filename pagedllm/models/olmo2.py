@@ -11,6 +11,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.pipeline import stage_layers, stage_module
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding, apply_rotary
@@ -84,19 +85,21 @@ class Olmo2DecoderLayer(nn.Module):
 class Olmo2Model(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList([Olmo2DecoderLayer(config) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers, self.start, self.end, self.is_first, self.is_last = stage_layers(
+            config.num_hidden_layers, lambda i: Olmo2DecoderLayer(config))
+        self.embed_tokens = stage_module(self.is_first, lambda: VocabParallelEmbedding(config.vocab_size,
+                                                                                       config.hidden_size))
+        self.norm = stage_module(self.is_last, lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         theta, scaling = rope_settings(config)
         self.rotary = RotaryEmbedding(head_dim, config.max_position_embeddings, theta, scaling)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        h = self.embed_tokens(input_ids) if self.is_first else intermediate[0]
         rope = self.rotary.cos_sin(positions, h.dtype)
-        for layer in self.layers:
+        for layer in self.layers[self.start : self.end]:
             h = layer(rope, h)
-        return self.norm(h)
+        return self.norm(h) if self.is_last else [h]
 
 
 class Olmo2ForCausalLM(nn.Module):
@@ -106,14 +109,17 @@ class Olmo2ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Olmo2Model(config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.lm_head = stage_module(self.model.is_last, lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    supports_pp = True
+    pp_num_intermediate = 1  # the hidden states (no separate residual stream)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start : self.model.end]]

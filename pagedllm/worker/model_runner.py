@@ -203,7 +203,7 @@ class ModelRunner:
         pp, total = self.pp, inputs.num_tokens
         intermediate = None
         if not pp.is_first:
-            hidden_size = self.model.config.hidden_size
+            hidden_size = getattr(self.model, "pp_hidden_size", None) or self.model.config.hidden_size
             dtype = next(self.model.parameters()).dtype
             intermediate = pp.recv_tensors([(total, hidden_size)] * self.model.pp_num_intermediate, dtype, self.device)
         with set_attention_metadata(inputs.attn_metadata):

@@ -139,6 +139,30 @@ def test_pp2_other_llama_family_members(make_ckpt, arch, kw):
     assert got == want
 
 
+@pytest.mark.parametrize("family", ["gpt2", "olmo2", "gemma2", "gemma3", "phi3"])
+def test_pp2_dense_families(ckpt_dir, family):
+    """Families with their own stage shapes: one tensor between stages (GPT-2's residual stream
+    with the learned positions on stage 0 only, OLMo 2), Gemma's scaled embedding, soft-capped
+    tied head and per-layer rotary types (Gemma 3: 6 layers, a global one on each stage)."""
+    from dense_checkpoints import make_dense_checkpoint
+
+    path = make_dense_checkpoint(str(ckpt_dir / f"pp_dense_{family}"), family, layers=6 if family == "gemma3" else 2)
+    want, _, _ = greedy(path, PROMPTS[:3])
+    got, _, _ = greedy(path, PROMPTS[:3], pipeline_parallel_size=2)
+    assert got == want
+
+
+def test_pp2_deepseek_mla(make_ckpt):
+    """MLA's one-plane latent cache per stage, a dense first layer then MoE layers."""
+    extra = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                 n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, kv_lora_rank=32,
+                 q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    path = make_ckpt("pp_deepseek", "deepseek_v3", layers=3, kv_heads=4, extra=extra)
+    want, _, _ = greedy(path, PROMPTS[:3])
+    got, _, _ = greedy(path, PROMPTS[:3], pipeline_parallel_size=2)
+    assert got == want
+
+
 def test_layer_partition_rules_and_bad_partitions(ckpt):
     assert layer_partition(10, 4) == [3, 3, 2, 2]  # the remainder goes to the first stages
     assert layer_partition(7, 2) == [4, 3]
@@ -171,17 +195,22 @@ def test_partition_from_the_environment(ckpt, monkeypatch):
     assert EngineConfig(model=ckpt).pp_layer_partition is None
 
 
-def test_unsupported_family_is_a_clear_error(make_ckpt):
+def test_unsupported_family_is_a_clear_error():
+    from torch import nn
+
     from pagedllm.distributed.parallel_state import PPGroup, set_pp_group
-    from pagedllm.models.gpt2 import GPT2LMHeadModel
     from pagedllm.models.pipeline import check_pipeline_support
+
+    class SomeForCausalLM(nn.Module):  # a family without stages (supports_pp unset)
+        pass
 
     set_pp_group(PPGroup(0, 2))
     try:
-        with pytest.raises(ValueError, match="GPT2LMHeadModel does not support pipeline_parallel_size"):
-            check_pipeline_support(GPT2LMHeadModel)
+        with pytest.raises(ValueError, match="SomeForCausalLM does not support pipeline_parallel_size"):
+            check_pipeline_support(SomeForCausalLM)
     finally:
         set_pp_group(PPGroup())
+    check_pipeline_support(SomeForCausalLM)  # fine without pipeline parallelism
 
 
 def test_dead_stage_fails_fast(ckpt):
