@@ -283,3 +283,32 @@ def test_shipped_head_for_the_default_model_is_accepted():
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base]
     s = llm.get_stats()
     assert 1 + s.spec_num_accepted_tokens / s.spec_num_drafts > 1.5, s
+
+
+def test_accepted_length_accounting_is_exact(bigram):
+    """The spec counters equal what the runner returned step by step: drafted rows, draft
+    tokens, accepted drafts (emitted - 1 per drafted row) and acceptance per position; every
+    output token is one of them or a plain row's token."""
+    target, head = bigram
+    llm = LLM(model=target, dtype="float32", kv_cache_memory=16 << 20, block_size=4, max_num_batched_tokens=24,
+              speculative_config=spec(head, 4))
+    runner = llm.engine.core.executor.worker.runner
+    rows, inner = [], runner.execute
+
+    def record(so, grammar=None):
+        out = inner(so, grammar)
+        for i, toks in enumerate(out.sampled_token_ids):
+            rows.append((len(toks), out.num_draft_tokens[i] if out.num_draft_tokens else 0))
+        return out
+
+    runner.execute = record
+    prompts = random_prompts((7, 25, 12, 40), seed=2)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 30, 17, 23)]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    s = llm.get_stats()
+    drafted = [(e, d) for e, d in rows if d]
+    assert s.spec_num_drafts == len(drafted) > 0
+    assert s.spec_num_draft_tokens == sum(d for _, d in drafted)
+    assert s.spec_num_accepted_tokens == sum(e - 1 for e, _ in drafted)
+    assert list(s.spec_accepted_per_pos) == [sum(e - 1 > j for e, _ in drafted) for j in range(4)]
+    assert sum(e for e, _ in rows) == sum(len(o.outputs[0].token_ids) for o in outs) == 9 + 30 + 17 + 23
