@@ -127,6 +127,37 @@ def test_pp_batches_overlap_and_never_repeat_a_request_in_flight(ckpt, reference
     assert not core.scheduler.in_flight
 
 
+def test_abort_while_in_flight(ckpt, reference):
+    """A request aborted while its batch is in flight: its late output is dropped, the others
+    finish with PP=1's tokens, every block comes back, and its id is reusable."""
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", pipeline_parallel_size=2,
+                                    kv_cache_memory=4 << 20, max_num_seqs=4), skip_tokenizer_init=True)
+    try:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), {"prompt_token_ids": p}, SP)
+        done: dict = {}
+        for _ in range(4):
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        in_flight = engine.core.scheduler.in_flight
+        assert in_flight
+        victim = sorted(in_flight)[0]
+        engine.abort_request([victim])
+        while engine.has_unfinished_requests() or engine.core.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        others = [str(i) for i in range(len(PROMPTS)) if str(i) != victim]
+        assert [done[r].outputs[0].token_ids for r in others] == [reference[0][int(r)] for r in others]
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks and not in_flight
+        engine.add_request(victim, {"prompt_token_ids": PROMPTS[int(victim)]}, SP)
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        assert done[victim].outputs[0].token_ids == reference[0][int(victim)]
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("arch,kw", [
     ("qwen3", dict(tie=True, layers=3)),  # tied head: the last stage loads it from the embedding tensor
     ("qwen2_moe", dict(layers=3, extra=dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
