@@ -295,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from pagedllm.entrypoints.router.data_parallel import run_data_parallel
 
             return run_data_parallel(config, args, sub_parser(parser, "serve"))
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:
             from pagedllm.executor.multiproc import launched_as_worker_rank, serve_as_worker_rank
 
             if launched_as_worker_rank():  # torchrun rank > 0: no HTTP, just the model shard's steps

@@ -254,3 +254,13 @@ def test_dead_stage_fails_fast(ckpt):
         llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=SP, use_tqdm=False)
     assert time.time() - t < 10
     llm.engine.shutdown()
+
+
+def test_data_parallel_replicas_get_a_core_per_pipeline_rank(ckpt):
+    from pagedllm.entrypoints.router.data_parallel import replica_cpu_flags
+
+    cfg = EngineConfig(model=ckpt, pipeline_parallel_size=2, cpu_threads_bind="auto")
+    assert replica_cpu_flags(cfg, 2, allowed=list(range(8))) == [["--cpu-threads-bind", "0,1|2,3"],
+                                                                 ["--cpu-threads-bind", "4,5|6,7"]]
+    with pytest.raises(ValueError, match="needs 4 CPU cores"):
+        replica_cpu_flags(cfg, 2, allowed=[0, 1, 2])

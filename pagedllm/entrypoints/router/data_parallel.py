@@ -49,7 +49,7 @@ def _cpu_list(cpus: list[int]) -> str:
 
 def replica_cpu_flags(config: EngineConfig, dp: int, allowed: Optional[list[int]] = None) -> list[list[str]]:
     """Per replica, the --cpu-threads-bind / --cpu-threads flags that give it its share of cores."""
-    bind, tp = config.cpu_threads_bind, config.tensor_parallel_size
+    bind, tp = config.cpu_threads_bind, config.tensor_parallel_size * config.pipeline_parallel_size  # ranks per replica
     if bind not in (None, "auto", "nobind"):
         raise ValueError("with --data-parallel-size, --cpu-threads-bind takes auto or nobind (each replica gets an "
                          f"even share of the allowed CPUs), got {bind!r}")
@@ -80,7 +80,7 @@ def replica_gpu_env(config: EngineConfig, dp: int) -> list[dict[str, str]]:
     """Per replica, the CUDA_VISIBLE_DEVICES that gives it its own tensor_parallel_size GPUs."""
     if not config.device.startswith("cuda"):
         return [{} for _ in range(dp)]
-    tp = config.tensor_parallel_size
+    tp = config.tensor_parallel_size * config.pipeline_parallel_size  # ranks (one GPU each) per replica
     visible = envs.cuda_visible_devices()
     if visible is None:
         import torch
