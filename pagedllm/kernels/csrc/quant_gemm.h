@@ -21,7 +21,10 @@
 //
 // Paths, fixed by the ISA macros of vec.h: avx512 (R x NP tiles of 16-column zmm accumulators,
 // codes widened with vpmovsxbd / vpmovzxbd / vcvtph2ps), avx2 (the same with 2 ymm per panel),
-// scalar loops. Work is handed out as groups of NP panels, every row of x per group, dynamically
+// scalar loops. With AVX512-BF16 and bf16 x, batches (M > kR) widen each chunk of codes once into
+// exact bf16 pairs for vdpbf16ps (run_blocked), and on CPUs that also have AVX512-VBMI (checked at
+// run time) int4 codes become bf16 pairs in 2.25 instructions per 16-byte line, which a single
+// bf16 row (decode) multiplies directly (micro1_int4_dp). Work is handed out as groups of NP panels, every row of x per group, dynamically
 // over OpenMP threads as the dense packed GEMM does.
 #pragma once
 
@@ -78,6 +81,7 @@ constexpr int kR = 4;   // rows of x per microkernel call (2 x kR x kNP accumula
 constexpr int kNP = 2;  // panels per call
 constexpr int kNP1 = 4; // panels per call when x has one row
 constexpr int64_t kAhead = 64;  // k (int4: k pairs) a streamed panel is prefetched ahead: 1 KB
+constexpr int64_t kAhead1 = 128;  // int4 pair lines micro1_int4_dp prefetches ahead: 2 KB (measured: 1 KB and 4 KB slower)
 
 inline __m512 codes_i8(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -190,22 +194,108 @@ inline void codes_pair(const uint8_t* panel, int64_t q, __m512& even, __m512& od
   }
 }
 
+// The codes of k pair q of a panel as 16 bf16 pairs (lane j: column j's codes of k = 2q in the
+// low half, 2q + 1 in the high half), exact: every code has at most 8 significant bits.
+// int4: each byte zero-extended to a 32-bit lane d, d | d << 12 puts the low nibble in bits 0..3
+// of the low half and the high nibble in the high half, and one vpermw looks both up in a
+// 32-entry table of bf16(i & 15) (vpermw reads an index's low 5 bits). int8 / fp8: both k widened
+// to float32 as in codes_pair and the upper halves (their bf16 bits, exact) interleaved by one
+// vpermt2w.
+template <int KIND>
+inline __m512i bf16_pairs(const uint8_t* panel, int64_t q) {
+  if constexpr (KIND == kInt4) {
+    const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                           0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+                                           0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                           0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + q * kPanel)));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), table);
+  } else {
+    __m512 e, o;
+    codes_pair<KIND>(panel, q, e, o);
+    // word 2j: the high half of e's lane j (word 2j + 1), word 2j + 1: o's (32 + 2j + 1)
+    const __m512i idx = _mm512_set_epi16(63, 31, 61, 29, 59, 27, 57, 25, 55, 23, 53, 21, 51, 19, 49, 17,
+                                         47, 15, 45, 13, 43, 11, 41, 9, 39, 7, 37, 5, 35, 3, 33, 1);
+    return _mm512_permutex2var_epi16(_mm512_castps_si512(e), idx, _mm512_castps_si512(o));
+  }
+}
+
+// vpermi2b indices for int4_pairs4: line i of a 64-byte block v (4 pair lines) and its copy s
+// shifted right by 4 bits: byte 4j <- byte j of line i of v (low nibble in bits 0..3), byte 4j + 2
+// <- the same byte of s (high nibble in bits 0..3); bytes 4j + 1 and 4j + 3 are zeroed by a mask.
+struct Int4PairIdx {
+  alignas(64) uint8_t idx[4][64];
+  Int4PairIdx() {
+    for (int i = 0; i < 4; ++i)
+      for (int j = 0; j < 16; ++j) {
+        idx[i][4 * j] = static_cast<uint8_t>(16 * i + j);
+        idx[i][4 * j + 1] = 0;
+        idx[i][4 * j + 2] = static_cast<uint8_t>(64 + 16 * i + j);
+        idx[i][4 * j + 3] = 0;
+      }
+  }
+};
+
+#ifdef PAGEDLLM_AVX512_BF16
+inline bool has_vbmi() {
+  static const bool yes = __builtin_cpu_supports("avx512vbmi");
+  return yes;
+}
+
+// int4 pair lines [q0, q1) of one panel as bf16 pairs into out (row stride kBW int32), 4 lines
+// (64 bytes) at a time: one shift for the 4 lines, then per line one vpermi2b (each byte's low
+// nibble into bits 0..3 of its lane's low half, its high nibble into bits 0..3 of the high half)
+// and one vpermw lookup in bf16_pairs's table -- 2.25 instructions per line instead of 4. Returns
+// the first line not done (a tail of fewer than 4 lines). AVX512-VBMI (vpermi2b), compiled with a
+// target attribute and called only where the CPU has it.
+__attribute__((target("avx512vbmi"))) inline int64_t int4_pairs4(const uint8_t* panel, int64_t q0, int64_t q1,
+                                                                 int32_t* out) {
+  static const Int4PairIdx ix;
+  const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
+                                         0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160,
+                                         0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                                         0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i i0 = _mm512_load_si512(ix.idx[0]), i1 = _mm512_load_si512(ix.idx[1]);
+  const __m512i i2 = _mm512_load_si512(ix.idx[2]), i3 = _mm512_load_si512(ix.idx[3]);
+  constexpr __mmask64 even = 0x5555555555555555ULL;
+  int64_t q = q0;
+  for (; q + 4 <= q1; q += 4) {
+    const __m512i v = _mm512_loadu_si512(panel + q * kPanel);
+    const __m512i s = _mm512_srli_epi16(v, 4);
+    int32_t* o = out + (q - q0) * kBW;
+    _mm512_storeu_si512(o, _mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i0, s), table));
+    _mm512_storeu_si512(o + kBW, _mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i1, s), table));
+    _mm512_storeu_si512(o + 2 * kBW, _mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i2, s), table));
+    _mm512_storeu_si512(o + 3 * kBW, _mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i3, s), table));
+  }
+  return q;
+}
+#endif
+
 // Codes of panels [p, p + np) for k in [k0, k1) (both even) into buf: float32 rows of kBW per k,
 // or (PAIRS) int32 rows of kBW per k pair, each lane two bf16 codes (exact: at most 8
 // significant bits), panel j at column 16 j.
 template <int KIND, bool PAIRS>
 void widen_chunk(const Weights& w, int64_t p, int64_t np, int64_t k0, int64_t k1, void* buf) {
   const int64_t pb = w.panel_bytes();
+  constexpr int64_t lpq = KIND == kInt4 ? 1 : 2;  // 16-byte lines per k pair
   for (int64_t j = 0; j < np; ++j) {
     const uint8_t* panel = w.packed + (p + j) * pb;
-    for (int64_t q = k0 / 2; q < k1 / 2; ++q) {
-      __m512 e, o;
-      codes_pair<KIND>(panel, q, e, o);
+    // the chunk after next on its way to L2 while this one is multiplied, one 64-byte line per 4
+    // lines (a prefetch past the weight's end is harmless: prefetches never fault)
+    for (int64_t l = (k0 / 2 + kChunk / 2) * lpq; l < (k1 / 2 + kChunk / 2) * lpq; l += 4)
+      _mm_prefetch(reinterpret_cast<const char*>(panel + l * kPanel), _MM_HINT_T1);
+    int64_t q = k0 / 2;
+#ifdef PAGEDLLM_AVX512_BF16
+    if constexpr (PAIRS && KIND == kInt4)
+      if (has_vbmi()) q = int4_pairs4(panel, q, k1 / 2, static_cast<int32_t*>(buf) + j * kPanel);
+#endif
+    for (; q < k1 / 2; ++q) {
       if constexpr (PAIRS) {
-        const __m512i pair = _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(e), 16),
-                                             _mm512_and_si512(_mm512_castps_si512(o), _mm512_set1_epi32(-65536)));
-        _mm512_storeu_si512(static_cast<int32_t*>(buf) + (q - k0 / 2) * kBW + j * kPanel, pair);
+        _mm512_storeu_si512(static_cast<int32_t*>(buf) + (q - k0 / 2) * kBW + j * kPanel, bf16_pairs<KIND>(panel, q));
       } else {
+        __m512 e, o;
+        codes_pair<KIND>(panel, q, e, o);
         float* f = static_cast<float*>(buf) + (2 * q - k0) * kBW + j * kPanel;
         _mm512_storeu_ps(f, e);
         _mm512_storeu_ps(f + kBW, o);
@@ -213,6 +303,72 @@ void widen_chunk(const Weights& w, int64_t p, int64_t np, int64_t k0, int64_t k1
     }
   }
 }
+
+#ifdef PAGEDLLM_AVX512_BF16
+// One row of bf16 x (as int32 bf16 pairs xb) times NP int4 panels, on CPUs with AVX512-VBMI: the
+// codes made bf16 pairs as in int4_pairs4 (2.25 instructions per 16-byte line) and multiplied with
+// one vdpbf16ps per line, instead of widening to float32 and two FMAs per line (8 instructions):
+// a decode step is then bound by reading the weights, not by the core. Two accumulators per panel
+// (even and odd lines) keep the vdpbf16ps chains apart. The products are the same as the float32
+// path's (exact: bf16 x times codes of at most 4 bits), the sums in float32.
+template <int NP, typename O>
+__attribute__((target("avx512vbmi"))) void micro1_int4_dp(const Weights& w, int64_t p, const int32_t* xb,
+                                                          const float* xs, O* y, const float* bias, int64_t cols) {
+  static const Int4PairIdx ix;
+  const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
+                                         0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160,
+                                         0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                                         0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  const __m512i i0 = _mm512_load_si512(ix.idx[0]), i1 = _mm512_load_si512(ix.idx[1]);
+  const __m512i i2 = _mm512_load_si512(ix.idx[2]), i3 = _mm512_load_si512(ix.idx[3]);
+  constexpr __mmask64 even = 0x5555555555555555ULL;
+  const int64_t pb = w.panel_bytes(), G = w.G, C = w.chunks();
+  const uint8_t* base = w.packed + p * pb;
+  const float* sc = w.sc + p * G * kPanel;
+  const float* zp = w.zp != nullptr ? w.zp + p * G * kPanel : nullptr;
+  __m512 acc[NP];
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t q0 = w.chunk_begin(c) / 2, q1 = w.chunk_end(c) / 2, g = c / w.chunks_per_group();
+    __m512 e[NP], o[NP];
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) e[j] = o[j] = _mm512_setzero_ps();
+    int64_t q = q0;
+    for (; q + 4 <= q1; q += 4) {
+      const __m512bh a0 = (__m512bh)_mm512_set1_epi32(xb[q]), a1 = (__m512bh)_mm512_set1_epi32(xb[q + 1]);
+      const __m512bh a2 = (__m512bh)_mm512_set1_epi32(xb[q + 2]), a3 = (__m512bh)_mm512_set1_epi32(xb[q + 3]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) {
+        const uint8_t* line = base + j * pb + q * kPanel;
+        _mm_prefetch(reinterpret_cast<const char*>(line + kAhead1 * kPanel), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(line), s = _mm512_srli_epi16(v, 4);
+        e[j] = _mm512_dpbf16_ps(e[j], a0, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i0, s), table));
+        o[j] = _mm512_dpbf16_ps(o[j], a1, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i1, s), table));
+        e[j] = _mm512_dpbf16_ps(e[j], a2, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i2, s), table));
+        o[j] = _mm512_dpbf16_ps(o[j], a3, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i3, s), table));
+      }
+    }
+    for (; q < q1; ++q) {  // a group of fewer than 4 pairs left
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xb[q]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NP; ++j) e[j] = _mm512_dpbf16_ps(e[j], a, (__m512bh)bf16_pairs<kInt4>(base + j * pb, q));
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; ++j) {
+      __m512 t = _mm512_add_ps(e[j], o[j]);
+      if (zp != nullptr) t = _mm512_fnmadd_ps(_mm512_loadu_ps(zp + (j * G + g) * kPanel), _mm512_set1_ps(xs[c]), t);
+      acc[j] = _mm512_fmadd_ps(t, _mm512_loadu_ps(sc + (j * G + g) * kPanel), acc[j]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NP; ++j) {
+    const __mmask16 m = lanes16(cols - j * kPanel);
+    const __m512 b = bias != nullptr ? load16(bias + j * kPanel, m) : _mm512_setzero_ps();
+    store16(y + j * kPanel, _mm512_add_ps(acc[j], b), m);
+  }
+}
+#endif
 
 // c[i, 0:16 NP] += sc (part - zp xs[i]) for one chunk's R x NP partial sums.
 template <int R, int NP>
@@ -448,6 +604,21 @@ void run(const Weights& w, const float* x, const int32_t* xb, int64_t M, const f
     return;
   }
 #endif
+#ifdef PAGEDLLM_AVX512_BF16
+  if constexpr (KIND == kInt4) {
+    if (M == 1 && xb != nullptr && has_vbmi()) {
+      const int64_t panels = (w.N + kPanel - 1) / kPanel, tasks = (panels + kNP1 - 1) / kNP1;
+#pragma omp parallel for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t p = t * kNP1, n0 = p * kPanel, cols = std::min(kNP1 * kPanel, w.N - n0);
+        gemm::upto<kNP1>((cols + kPanel - 1) / kPanel, [&](auto qq) {
+          micro1_int4_dp<qq.value>(w, p, xb, xs, y + n0, bias != nullptr ? bias + n0 : nullptr, cols);
+        });
+      }
+      return;
+    }
+  }
+#endif
   (void)xb;
   const int64_t panels = (w.N + kPanel - 1) / kPanel;
   constexpr int NPmax = kNP1 > kNP ? kNP1 : kNP;
@@ -573,7 +744,8 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t
   // bf16 x of a batch on AVX512-BF16: its bf16 pairs (in the weight's column order) for vdpbf16ps
   torch::Tensor xb;
 #ifdef PAGEDLLM_AVX512_BF16
-  if (x.scalar_type() == torch::kBFloat16 && M > qgemm::kR && group_size % 2 == 0)
+  if (x.scalar_type() == torch::kBFloat16 && group_size % 2 == 0 &&
+      (M > qgemm::kR || (M == 1 && kind == qgemm::kInt4 && qgemm::has_vbmi())))
     xb = (perm.has_value() && perm->defined()) ? xf.to(torch::kBFloat16) : x;  // exact: xf holds bf16 values
 #endif
   const int32_t* xbp = xb.defined() ? reinterpret_cast<const int32_t*>(xb.data_ptr<c10::BFloat16>()) : nullptr;
