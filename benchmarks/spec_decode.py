@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--k-ngram", type=int, default=8)
     ap.add_argument("--ngram-min", type=int, default=1, help="prompt_lookup_min")
     ap.add_argument("--ngram-max", type=int, default=5, help="prompt_lookup_max")
-    ap.add_argument("--k-draft", type=int, default=3)
+    ap.add_argument("--k-draft", type=int, default=2)
     ap.add_argument("--latency-prompts", type=int, default=8, help="batch 1: this many prompts, one at a time")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", nargs="+", default=None,

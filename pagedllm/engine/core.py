@@ -11,6 +11,7 @@ form the next micro-batches); outputs are applied in submission order.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
@@ -63,7 +64,9 @@ class EngineCore:
         if spec is not None and spec.auto_disable:  # plain steps while measured costs say speculation loses
             from pagedllm.spec_decode.governor import SpecGovernor
 
-            self.scheduler.spec_governor = SpecGovernor()
+            worker = getattr(self.executor, "worker", None)  # in this process: the step's CPU time is its cost
+            on_cpu = worker is not None and getattr(getattr(worker, "device", None), "type", None) == "cpu"
+            self.scheduler.spec_governor = SpecGovernor(clock=time.process_time) if on_cpu else SpecGovernor()
         self.structured = None  # StructuredOutputs, set by the LLMEngine (it needs the tokenizer)
         self.pp_size = config.pipeline_parallel_size
         self._batch_queue: deque = deque()  # pipeline parallel: submitted SchedulerOutputs, oldest first

@@ -8,7 +8,9 @@ step, before scheduling, whether decoding requests get draft slots: a plain step
 A decode step of a request yields 1 token plainly and E tokens speculatively (1 + the accepted
 drafts, measured). A step costs t_plain or t_spec: the wall time from one step's scheduling to
 the next one's, which includes the draft model's forwards, the wider verification forward and
-the engine's own per-step work. Speculation pays while E / t_spec >= 1 / t_plain.
+the engine's own per-step work. Speculation pays while E / t_spec >= margin / t_plain, with a
+margin of 5%: near break-even (a draft model about as costly as the tokens it saves) the figures'
+noise would flip modes at random, and plain decoding costs nothing extra, so it wins the ties.
 
 Both costs depend on the batch: a forward of 32 requests x (k + 1) tokens is no longer
 overhead-bound the way one of 1 x (k + 1) is. So every figure is kept per batch-size bucket
@@ -82,8 +84,14 @@ def bucket_of(batch_size: int) -> int:
 
 
 class SpecGovernor:
-    def __init__(self, window: int = 8, probe: int = 4, decay: float = 0.8, max_window: int = 256) -> None:
+    def __init__(self, window: int = 8, probe: int = 4, decay: float = 0.8, max_window: int = 256,
+                 margin: float = 1.05, clock=time.perf_counter) -> None:
+        """``clock``: what a step costs. Wall time by default; the engine passes the process's CPU
+        time where the whole step runs in this process on the CPU (a shared machine's load then
+        does not count, and idle time costs nothing)."""
         self.window, self.probe, self.decay, self.max_window = window, probe, decay, max_window
+        self.clock = clock
+        self.margin = margin  # speculation must beat plain decoding by this factor: near break-even, plain is safe
         self.buckets: dict[int, _Bucket] = {}
         self.num_plain_steps = 0  # steps planned plain (statistics and tests)
         self.num_spec_steps = 0
@@ -94,13 +102,14 @@ class SpecGovernor:
 
     # ---- the decision -----------------------------------------------------------------------
     def _ema(self, old: Optional[float], new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        """The moving average; a sample over 1.5x it counts as 1.5x (one preempted step must
+        not flip the verdict)."""
+        return new if old is None else self.decay * old + (1 - self.decay) * min(new, 1.5 * old)
 
-    @staticmethod
-    def _pays(b: _Bucket) -> bool:
+    def _pays(self, b: _Bucket) -> bool:
         if b.t_spec is None or b.t_plain is None or b.tokens_spec is None:
             return True
-        return b.tokens_spec / b.t_spec >= 1.0 / b.t_plain
+        return b.tokens_spec / b.t_spec >= self.margin / b.t_plain
 
     def speculation_pays(self, batch_size: int) -> bool:
         b = self.buckets.get(bucket_of(batch_size))
@@ -114,7 +123,7 @@ class SpecGovernor:
     def plan(self, batch_size: int, now: Optional[float] = None) -> bool:
         """Called before scheduling each step that may decode ``batch_size`` requests: do they
         speculate? (Closes the measurement of the step before.)"""
-        now = time.perf_counter() if now is None else now
+        now = self.clock() if now is None else now
         self._close(now)
         key = bucket_of(batch_size)
         b = self.buckets.get(key)
@@ -161,7 +170,7 @@ class SpecGovernor:
     def verified(self, tokens_per_request: float, num_drafts: int, now: Optional[float] = None) -> None:
         """The step's results: tokens emitted per decoding request, and how many drafts were
         verified in all (0 in a speculative step: it cost what a plain step costs)."""
-        self._done_at = time.perf_counter() if now is None else now
+        self._done_at = self.clock() if now is None else now
         if self._step is None or self._step[2] != "spec":
             return
         if num_drafts == 0:
