@@ -17,7 +17,15 @@ weight bytes, decode tok/s per batch (benchmarks/decode_bandwidth.py's method: 1
 tokens minus 1 token, best of 2) and the offline throughput of ``--requests`` random requests
 (prompts 32-256, outputs 16-128 tokens).
 
+``--per-shape`` times each product shape alone (``--copies`` weights of it, so they stream from
+memory like a decode step's), bf16 against the weight-only formats, and with ``--baseline-build
+PATH`` (a kernels .so of other sources, e.g. the previous commit's from the kernel cache) the same
+products through that build too, side by side in one process. ``--cpu-time`` times with the
+thread's CPU time instead of the wall clock: with ``--threads 1`` that leaves out the time the
+thread waited for a core on a shared machine (caches and memory bandwidth stay shared).
+
     python benchmarks/quantization.py --layers-only --batches 1,16
+    python benchmarks/quantization.py --per-shape --threads 1 --cpu-time --baseline-build OLD.so
     python benchmarks/quantization.py --formats bf16,int8,int8-w8a8,int4,fp8
 """
 from __future__ import annotations
@@ -121,6 +129,72 @@ def layers_only(args) -> list[dict]:
                          "weight_MB": round(weight_bytes[f] * 22 / args.layers / 1e6)})
         print_table([r for r in rows if r["batch"] == m], list(rows[0]))
         print(flush=True)
+    return rows
+
+
+def per_shape(args) -> list[dict]:
+    """Each product shape alone: bf16 packed_linear against quant_linear (this build, and the
+    baseline build when given), microseconds per product, best of ``--rounds`` rounds taken in turn."""
+    import importlib.machinery
+    import importlib.util
+
+    import torch
+
+    from pagedllm.kernels import build
+    from pagedllm.kernels import cpu as cpu_kernels
+    from pagedllm.quantization import packed_qweight
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the C++ kernels are not available: nothing to compare")
+    builds = {"": kernels}
+    if args.baseline_build:
+        from pagedllm.kernels import isa
+
+        name = build.module_name(isa.level(kernels.isa))  # the init symbol of a build of this level
+        loader = importlib.machinery.ExtensionFileLoader(name, args.baseline_build)
+        base = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, loader))
+        loader.exec_module(base)
+        builds = {"-base": base, "": kernels}
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    formats = [f for f in args.formats.split(",") if FORMATS[f] is None or FORMATS[f][2] is None]
+    rows = []
+    torch.manual_seed(0)
+    for n, k in layer_shapes(args.model):
+        dense = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for _ in range(args.copies)]
+        weights = {f: [kernels.pack_linear_weight(w) if FORMATS[f] is None else
+                       packed_qweight.pack(quantize(w, *FORMATS[f]), kernels) for w in dense] for f in formats}
+        for m in (int(b) for b in args.batches.split(",")):
+            x = torch.randn(m, k, dtype=torch.bfloat16)
+            runs = {}
+            for f in formats:
+                for tag, mod in ([("", kernels)] if FORMATS[f] is None else builds.items()):
+                    def run(ws=weights[f], mod=mod, dense_w=FORMATS[f] is None):
+                        for w in ws:
+                            if dense_w:
+                                mod.packed_linear(x, w, n, None)
+                            else:
+                                mod.quant_linear(x, w.packed, w.kind_code, w.scales, w.zeros, n, w.group_size,
+                                                 w.input_perm, None)
+                    runs[f + tag] = run
+            best = {v: float("inf") for v in runs}
+            for run in runs.values():
+                run()  # warm-up
+            for _ in range(args.rounds):
+                for v, run in runs.items():
+                    t = clock()
+                    run()
+                    best[v] = min(best[v], clock() - t)
+            row = {"N": n, "K": k, "batch": m}
+            for v in runs:
+                row[f"{v}_us"] = round(best[v] / args.copies * 1e6)
+            for v in runs:
+                if v != "bf16" and "bf16" in runs:
+                    row[f"{v}_vs_bf16"] = round(best["bf16"] / best[v], 2)
+            rows.append(row)
+            print(row, flush=True)
     return rows
 
 
@@ -236,11 +310,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
     ap.add_argument("--decode-tokens", type=int, default=16, help="full model: decode steps timed per batch")
     ap.add_argument("--requests", type=int, default=64, help="full model: throughput requests (0: skip)")
+    ap.add_argument("--per-shape", action="store_true", help="time each product shape alone (weight-only formats)")
+    ap.add_argument("--copies", type=int, default=8, help="--per-shape: weights per shape (they stream from memory)")
+    ap.add_argument("--baseline-build", default=None, help="--per-shape: another kernels build (.so) to time too")
+    ap.add_argument("--cpu-time", action="store_true", help="--per-shape: the thread's CPU time, not the wall clock")
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
     args = ap.parse_args()
-    rows = layers_only(args) if args.layers_only else full_model(args)
-    write_json(args.out, {"model": args.model, "mode": "layers-only" if args.layers_only else "full-model",
-                          "results": rows, "cpu_flags": cpu_flags(), "argv": sys.argv})
+    mode = "per-shape" if args.per_shape else "layers-only" if args.layers_only else "full-model"
+    rows = per_shape(args) if args.per_shape else layers_only(args) if args.layers_only else full_model(args)
+    write_json(args.out, {"model": args.model, "mode": mode, "results": rows, "cpu_flags": cpu_flags(),
+                          "argv": sys.argv})
 
 
 if __name__ == "__main__":
