@@ -150,7 +150,8 @@ class MultiprocExecutor:
         else:
             if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()):
                 if torch.cuda.device_count() < world:
-                    raise ValueError(f"tensor_parallel_size={world} but only {torch.cuda.device_count()} GPUs are visible")
+                    raise ValueError(f"{world} ranks (tensor {tp} x pipeline {self.pp_size} parallel) need a GPU each, "
+                                     f"but only {torch.cuda.device_count()} are visible")
             elif tp > (os.cpu_count() or 1):
                 raise ValueError(f"tensor_parallel_size={tp} exceeds the {os.cpu_count()} CPU cores available")
             elif world > (os.cpu_count() or 1):
