@@ -264,3 +264,28 @@ def test_data_parallel_replicas_get_a_core_per_pipeline_rank(ckpt):
                                                                  ["--cpu-threads-bind", "4,5|6,7"]]
     with pytest.raises(ValueError, match="needs 4 CPU cores"):
         replica_cpu_flags(cfg, 2, allowed=[0, 1, 2])
+
+
+def test_pp2_structured_outputs_like_pp1(default_model):
+    """The masks travel with the step to the last stage's sampling rank: PP=2 gives PP=1's
+    constrained tokens (greedy and seeded)."""
+    pytest.importorskip("xgrammar")
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+
+    def run_structured(**kw):
+        llm = LLM(default_model, dtype="float32", kv_cache_memory=16 << 20, max_model_len=256, **kw)
+        try:
+            params = [SamplingParams(max_tokens=40, temperature=t, seed=s,
+                                     structured_outputs=StructuredOutputsParams(json=schema))
+                      for t, s in ((0.0, None), (1.0, 3))]
+            outs = llm.generate(["ROMEO:", "KING:"], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+    one = run_structured()
+    assert run_structured(pipeline_parallel_size=2) == one
+    assert all(reason == "stop" for _, reason in one)
