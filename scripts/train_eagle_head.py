@@ -67,7 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="token loss weight (the paper: 0.1; 0.5 gave 0.53 top-1 agreement here against 0.48, "
                         "in 180 steps against 153 -- the machine's load set the step count)")
     p.add_argument("--noise", type=float, default=0.1, help="uniform feature noise, x the features' RMS")
-    p.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="the head's MLP width (default: half the target's: a cheaper draft step, and more training "
+                        "steps in the budget -- 0.71 top-1 agreement against 0.53 at the target's width, though in "
+                        "523 steps against 180 on a machine less loaded)")
     return p.parse_args(argv)
 
 
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
         p.requires_grad_(False)
     cfg = json.loads(Path(args.target, "config.json").read_text())
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    head = Head(cfg, args.intermediate_size or cfg["intermediate_size"])
+    head = Head(cfg, args.intermediate_size or cfg["intermediate_size"] // 2)
     opt = torch.optim.AdamW(head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     train, val, _ = token_stream(args, args.target)
     print(f"train tokens {len(train)}, val tokens {len(val)}; head params "
