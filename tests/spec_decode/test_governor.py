@@ -175,3 +175,25 @@ def test_no_drafts_from_the_disable_batch_size_on_with_a_cpu_default():
     assert step(s).num_spec_slots == {}  # 4 running: no drafts
     s.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
     assert len(step(s).num_spec_slots) == 3  # 3 running: drafts again
+
+
+def test_scheduler_with_a_real_governor_on_a_fake_clock_stops_reserving():
+    """The governor itself (clock injected): speculative steps that take 3x a plain one for 1.5
+    tokens lose, so after its learning steps the scheduler reserves no draft slots."""
+    clock = [0.0]
+    gov = SpecGovernor(window=4, probe=2, clock=lambda: clock[0])
+    s, kv = make(gov)
+    s.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=200, ignore_eos=True), max_tokens=200))
+    step(s)
+    slots = []
+    for i in range(60):
+        so = s.schedule()
+        (rid,) = so.num_scheduled_tokens
+        n = so.num_spec_slots.get(rid, 0)
+        slots.append(n)
+        clock[0] += 3.0 if n else 1.0
+        out = ModelRunnerOutput([rid], [[7] * (1 + (i % 2 if n else 0))], num_draft_tokens=[n])  # 1.5 tokens
+        s.update_from_output(so, out)
+    assert not gov.speculation_pays(1)
+    assert sum(1 for n in slots[10:] if n) <= 2 * 50 // (4 + 2)  # only probes speculate ...
+    assert slots.count(0) >= 40  # ... the plain steps reserve nothing
