@@ -11,7 +11,6 @@ form the next micro-batches); outputs are applied in submission order.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 
 from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
@@ -64,9 +63,11 @@ class EngineCore:
         if spec is not None and spec.auto_disable:  # plain steps while measured costs say speculation loses
             from pagedllm.spec_decode.governor import SpecGovernor
 
-            worker = getattr(self.executor, "worker", None)  # in this process: the step's CPU time is its cost
-            on_cpu = worker is not None and getattr(getattr(worker, "device", None), "type", None) == "cpu"
-            self.scheduler.spec_governor = SpecGovernor(clock=time.process_time) if on_cpu else SpecGovernor()
+            # Wall time, also on CPU: the process's CPU time counts OpenMP threads spinning through
+            # a speculative step's longer Python stretches, and the main thread's CPU time misses
+            # work on the others; with either, a quiet 2-thread CPU turned a 1.7x n-gram and a
+            # 1.2x EAGLE speed-up off (docs/benchmarks.md, issue 20).
+            self.scheduler.spec_governor = SpecGovernor()
         self.structured = None  # StructuredOutputs, set by the LLMEngine (it needs the tokenizer)
         self.pp_size = config.pipeline_parallel_size
         self._batch_queue: deque = deque()  # pipeline parallel: submitted SchedulerOutputs, oldest first

@@ -64,6 +64,25 @@ def test_unmeasurable_steps_and_idle_gaps_are_not_measured():
     assert gov.buckets[0].t_spec is None and gov.buckets[0].n_spec == 0
 
 
+def test_catch_up_steps_after_plain_stretches_are_not_charged_to_speculation():
+    """A draft model / EAGLE head runs over every position it missed in the first speculative
+    step after plain ones (a probe): that step's cost is left out, or each probe would look
+    worse than steady speculation and keep a winning proposer off."""
+    gov = SpecGovernor(window=8, probe=2)
+    now, modes, last = 0.0, [], False
+    for _ in range(300):
+        spec = gov.plan(1, now)
+        gov.scheduled(spec)
+        modes.append(spec)
+        # steady speculation: 1.5 per step for 3 tokens (2 per unit vs plain's 1); a catch-up costs 10
+        now += (1.5 if last else 10.0) if spec else 1.0
+        gov.verified(3.0 if spec else 1.0, 3 if spec else 0, now)
+        last = spec
+    assert gov.speculation_pays(1) and sum(modes[-100:]) >= 90
+    b = gov.buckets[0]
+    assert b.t_spec == 1.5 and b.unmeasured == 0
+
+
 def test_draftless_speculative_steps_stand_in_for_plain_probes():
     """An n-gram step without any draft cost what a plain step costs: no plain probe is needed."""
     gov = SpecGovernor(window=8, probe=2)
