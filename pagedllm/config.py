@@ -118,6 +118,7 @@ class EngineConfig:
     cpu_kernels: bool = field(default_factory=envs.cpu_kernels_enabled)
     kernel_cache_dir: str = field(default_factory=envs.kernel_cache_dir)
     cpu_keep_freed_memory: bool = field(default_factory=envs.cpu_keep_freed_memory)
+    cpu_kv_cache_prefault: bool = False  # fault the KV cache's pages in at start-up, not at first write (worker/cpu_memory.py)
     cpu_threads: Optional[int] = field(default_factory=envs.cpu_threads)
     cpu_threads_bind: Optional[str] = field(default_factory=envs.cpu_threads_bind)
     speculative_config: Optional[SpeculativeConfig] = None  # a dict or JSON text is parsed into one

@@ -58,6 +58,8 @@ _HELP = {
     "kernel_cache_dir": "where built CPU kernels are cached (default: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels)",
     "cpu_keep_freed_memory": "let glibc malloc keep freed activations for reuse (faster steps; resident memory stays "
                              "at its peak); env PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 turns the default off",
+    "cpu_kv_cache_prefault": "fault the CPU KV cache's pages in at start-up (as a torch.zeros cache is) instead of at "
+                             "each block's first write: slower start-up, no first-touch cost while serving",
     "cpu_threads": "torch threads per rank on CPU (default: all cores with one rank, cores / ranks with tensor "
                    "parallelism, or the bound CPUs' count; env PAGEDLLM_THREADS_PER_RANK)",
     "cpu_threads_bind": "bind each rank's threads to CPUs: nobind, auto (the allowed CPUs split evenly across "

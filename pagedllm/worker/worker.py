@@ -89,16 +89,17 @@ class KVCacheSpec:
         scale = torch.empty((), dtype=SCALE_DTYPE).element_size() if self.quant is not None else 0
         return self.planes * self.num_layers * self.num_kv_heads * (self.head_dim * elem + scale)
 
-    def allocate(self, num_blocks: int, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def allocate(self, num_blocks: int, device: torch.device,
+                 prefault: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(cache [planes, layers, num_blocks, block_size, kv_heads, head_dim], scales or None);
-        on CPU one zero-filled mapping holds both."""
+        on CPU one zero-filled mapping holds both (its pages faulted in now with ``prefault``)."""
         shape = (self.planes, self.num_layers, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         numel = self.planes * self.num_layers * num_blocks * self.block_size * self.num_kv_heads
         if device.type != "cpu":
             cache = torch.zeros(shape, dtype=self.storage_dtype, device=device)
             scales = None if self.quant is None else torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
             return cache, scales
-        buf = cpu_kv_cache_memory(num_blocks * self.bytes_per_block)
+        buf = cpu_kv_cache_memory(num_blocks * self.bytes_per_block, prefault)
         cache_bytes = numel * self.head_dim * torch.empty((), dtype=self.storage_dtype).element_size()
         cache = buf[:cache_bytes].view(self.storage_dtype).view(shape)
         scales = None if self.quant is None else buf[cache_bytes:].view(SCALE_DTYPE).view(shape[:-1])
@@ -285,7 +286,7 @@ class Worker:
                            self.max_model_len, fitted, num_blocks, spec.block_size)
         self.max_model_len = fitted
         self.num_blocks = num_blocks
-        self.kv_cache, self.kv_scales = spec.allocate(num_blocks, self.device)
+        self.kv_cache, self.kv_scales = spec.allocate(num_blocks, self.device, self.config.cpu_kv_cache_prefault)
         for i, layer in enumerate(self.model.attention_layers()):
             if self.kv_scales is None:
                 layer.bind(self.backend, self.kv_cache[:, i])
