@@ -43,13 +43,13 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.forward_context import set_attention_metadata
 from pagedllm.models.config_json import load_hf_config
 from pagedllm.models.eagle import EagleHead, eagle_checkpoint_names
-from pagedllm.sample.sampler import inverse_cdf
+from pagedllm.spec_decode.paged_drafter import PagedDrafter
 
 # Target families whose last hidden state / embedding an EAGLE-1 head is defined over.
 EAGLE_TARGETS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
-class EagleProposer:
+class EagleProposer(PagedDrafter):
     MAX_PENDING = 512  # features held per request before the head consumes them early
 
     def __init__(self, path: str, num_speculative_tokens: int, target, target_config, dtype: torch.dtype,
@@ -73,36 +73,12 @@ class EagleProposer:
         if "fc.weight" not in names:
             raise ValueError(f"speculative_config.model {path!r} is not an EAGLE-1 head (no fc.weight; EAGLE-3 and "
                              "Medusa heads are not supported)")
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                self.head = EagleHead(hf, "embed_tokens.weight" in names, "fc.bias" in names)
-        finally:
-            torch.set_default_dtype(prev)
-        self.head.load(path)
-        self.head.eval()
+        self.head = self._build(lambda: EagleHead(hf, "embed_tokens.weight" in names, "fc.bias" in names),
+                                lambda m: m.load(path))
         self.embed = self.head.embed_tokens if self.head.embed_tokens is not None else target.model.embed_tokens
-        if device.type == "cpu":
-            from pagedllm.layers.cpu_gemm import pack_linear_weights
-
-            pack_linear_weights(self.head, dtype)
-        self.layers = self.head.attention_layers()
-        a0 = self.layers[0]
-        self.kv_shape = (2, len(self.layers), block_size, a0.num_kv_heads, a0.head_dim)
+        self._init_cache(self.head.attention_layers(), block_size)
         self.head_end: dict[str, int] = {}  # request id -> positions whose head K/V are valid
         self.pending: dict[str, list[torch.Tensor]] = {}  # request id -> features of [head_end, computed)
-        self.kv_cache: Optional[torch.Tensor] = None
-
-    @property
-    def bytes_per_block(self) -> int:
-        return int(np.prod(self.kv_shape)) * torch.empty((), dtype=self.dtype).element_size()
-
-    def allocate(self, num_blocks: int, backend) -> None:
-        p, nl, bs, h, d = self.kv_shape
-        self.kv_cache = torch.zeros((p, nl, num_blocks, bs, h, d), dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(self.layers):
-            layer.bind(backend, self.kv_cache[:, i])
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for rid in req_ids:
@@ -166,14 +142,6 @@ class EagleProposer:
         out = self._forward(torch.from_numpy(ids).to(self.device), torch.cat(feats), positions, qsl, ends, table, slots)
         return None if keep_last else out[torch.from_numpy(qsl[1:] - 1).to(self.device)]
 
-    @staticmethod
-    def _table(states) -> np.ndarray:
-        width = max(len(s.block_ids) for s in states)
-        table = np.zeros((len(states), width), dtype=np.int32)
-        for i, s in enumerate(states):
-            table[i, : len(s.block_ids)] = s.block_ids
-        return table
-
     def _forward(self, ids: torch.Tensor, feats: torch.Tensor, positions: np.ndarray, qsl: np.ndarray,
                  seq_lens: np.ndarray, table: np.ndarray, slots: np.ndarray) -> torch.Tensor:
         md = AttentionMetadata.from_host(qsl, seq_lens, table, slots, self.device)
@@ -181,16 +149,6 @@ class EagleProposer:
             return self.head(self.embed(ids), feats, torch.from_numpy(positions).to(self.device))
 
     # ---- one step's proposals ---------------------------------------------------------------
-    def _pick(self, logits: torch.Tensor, temps: Optional[torch.Tensor], greedy_rows: Optional[torch.Tensor],
-              gens: list, generator: Optional[torch.Generator]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        if temps is None:  # every drafted request is greedy
-            return logits.argmax(dim=-1), None
-        probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-        u = torch.rand(len(logits), generator=generator, device=self.device)
-        for row, gen in gens:
-            u[row] = torch.rand(1, generator=gen, device=self.device)[0]
-        return torch.where(greedy_rows, logits.argmax(dim=-1), inverse_cdf(probs, u)), probs
-
     def _ready(self, state) -> bool:
         """Whether the request has pending features that cover [head_end, computed) exactly (a
         mismatch -- which the step bookkeeping should never produce -- restarts the head there)."""
@@ -213,49 +171,22 @@ class EagleProposer:
         states = [runner.requests[r] for r in rids]
         k = np.fromiter((min(slots[r], self.k) for r in rids), dtype=np.int64, count=len(rids))
         c = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        sps = [s.sampling_params for s in states]
-        greedy = [sp.is_greedy for sp in sps]
-        temps = greedy_rows = None
-        gens: list = []
-        if not all(greedy):
-            temps = torch.tensor([1.0 if g else sp.temperature for g, sp in zip(greedy, sps)], device=self.device)
-            greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=self.device)
-            gens = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None and not greedy[i]]
-        generator = runner.sampler.generator if runner.sampler is not None else None
         compute_logits = self.target.compute_logits
 
         # 1. Catch up on the pending features; each last row proposes d_1.
         feat = self._consume(states, keep_last=False)
-        tok, probs = self._pick(compute_logits(feat).float(), temps, greedy_rows, gens, generator)
-        k_max = int(k.max())
-        grid = torch.zeros((len(states), k_max), dtype=torch.long, device=self.device)
-        grid[:, 0] = tok
-        prob_grid = None
-        if probs is not None:
-            prob_grid = torch.zeros((len(states), k_max, probs.shape[1]), device=self.device)
-            prob_grid[:, 0] = probs
         # 2. One token at a time: (d_j, predicted feature) in at position c + j - 1, d_{j+1} out.
         table = self._table(states)
         bs = self.block_size
-        for j in range(1, k_max):
-            act = np.nonzero(k > j)[0]
-            act_t = torch.from_numpy(act).to(self.device)
+
+        def next_logits(j, act, act_t, prev):
             pos = c[act] + j - 1
             slots_j = table[act, pos // bs].astype(np.int64) * bs + pos % bs
-            feat[act_t] = self._forward(grid[act_t, j - 1], feat[act_t], pos, np.arange(len(act) + 1, dtype=np.int64),
-                                        pos + 1, table[act], slots_j)
-            row_of = {r: i for i, r in enumerate(act.tolist())}
-            sub_gens = [(row_of[r], g) for r, g in gens if r in row_of]
-            tok, probs = self._pick(compute_logits(feat[act_t]).float(), None if temps is None else temps[act_t],
-                                    None if greedy_rows is None else greedy_rows[act_t], sub_gens, generator)
-            grid[act_t, j] = tok
-            if prob_grid is not None:
-                prob_grid[act_t, j] = probs
+            feat[act_t] = self._forward(prev, feat[act_t], pos, np.arange(len(act) + 1, dtype=np.int64), pos + 1,
+                                        table[act], slots_j)
+            return compute_logits(feat[act_t]).float()
+
+        grid, flat_probs = self._draw_k(states, runner, k, compute_logits(feat).float(), next_logits)
         grid_l = grid.tolist()
         drafts = {r: grid_l[i][: int(k[i])] for i, r in enumerate(rids)}
-        flat_probs = None
-        if prob_grid is not None:
-            req_idx = np.repeat(np.arange(len(rids)), k)
-            pos_idx = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
-            flat_probs = prob_grid[torch.from_numpy(req_idx).to(self.device), torch.from_numpy(pos_idx).to(self.device)]
         return drafts, flat_probs
