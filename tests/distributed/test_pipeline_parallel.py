@@ -3,11 +3,10 @@ under preemption, with prefix caching, chunked prefills, logprobs and seeded sam
 stage holds only its layers and a KV cache sized by them; uneven and bad pp_layer_partition; a
 dead stage fails the engine fast."""
 import os
-import signal
-import time
 
 import pytest
 
+from dead_rank import assert_killed_rank_fails_fast
 from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
@@ -246,14 +245,7 @@ def test_unsupported_family_is_a_clear_error():
 
 def test_dead_stage_fails_fast(ckpt):
     llm = LLM(model=ckpt, dtype="float32", pipeline_parallel_size=2, kv_cache_memory=4 << 20)
-    ex = llm.engine.core.executor
-    os.kill(ex.procs[0].pid, signal.SIGKILL)
-    ex.procs[0].join(5)
-    t = time.time()
-    with pytest.raises(RuntimeError, match="rank 1 died"):
-        llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=SP, use_tqdm=False)
-    assert time.time() - t < 10
-    llm.engine.shutdown()
+    assert_killed_rank_fails_fast(llm, PROMPTS[:2], SP)
 
 
 def test_data_parallel_replicas_get_a_core_per_pipeline_rank(ckpt):

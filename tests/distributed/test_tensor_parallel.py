@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from dead_rank import assert_killed_rank_fails_fast
 from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
@@ -115,14 +116,7 @@ def test_bad_tp_size_is_a_clear_error(make_ckpt):
 def test_dead_rank_fails_fast(make_ckpt):
     path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
     llm = LLM(model=path, dtype="float32", tensor_parallel_size=2, kv_cache_memory=16 << 20)
-    ex = llm.engine.core.executor
-    os.kill(ex.procs[0].pid, signal.SIGKILL)
-    ex.procs[0].join(5)
-    t = time.time()
-    with pytest.raises(RuntimeError, match="rank 1 died"):
-        llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=SP, use_tqdm=False)
-    assert time.time() - t < 10
-    llm.engine.shutdown()
+    assert_killed_rank_fails_fast(llm, PROMPTS[:2], SP)
 
 
 def test_server_with_tensor_parallel_size_2(make_ckpt):
