@@ -11,23 +11,11 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from prompts import random_prompts
-
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+from spec_runs import GREEDY, run, spec_config
 
 
 def spec(draft, k=3, **kw):
-    # auto_disable off: the governor's timing-driven plain steps would make the draft counts vary
-    return {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "auto_disable": False, **kw}
-
-
-def run(path, prompts, params=GREEDY, speculative_config=None, **kw):
-    kw.setdefault("kv_cache_memory", 16 << 20)
-    llm = LLM(model=path, dtype="float32", speculative_config=speculative_config, **kw)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    s = llm.get_stats()
-    assert s.num_free_blocks == s.num_total_blocks
-    llm.engine.core.kv_cache_manager.pool.check_consistency()
-    return [o.outputs[0].token_ids for o in outs], s
+    return spec_config("draft_model", draft, k, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -13,24 +13,12 @@ import pytest
 import torch
 from eagle_heads import bigram_head_tensors, make_bigram_target, make_eagle_head
 from prompts import random_prompts
+from spec_runs import GREEDY, run, spec_config
 
 from pagedllm import LLM, SamplingParams
 
-GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
 def spec(head, k=3, **kw):
-    return {"method": "eagle", "model": head, "num_speculative_tokens": k, "auto_disable": False, **kw}
-
-
-def run(path, prompts, params=GREEDY, speculative_config=None, **kw):
-    kw.setdefault("kv_cache_memory", 16 << 20)
-    llm = LLM(model=path, dtype="float32", speculative_config=speculative_config, **kw)
-    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    s = llm.get_stats()
-    assert s.num_free_blocks == s.num_total_blocks
-    llm.engine.core.kv_cache_manager.pool.check_consistency()
-    return [o.outputs[0].token_ids for o in outs], s
+    return spec_config("eagle", head, k, **kw)
 
 
 @pytest.fixture(scope="module")
