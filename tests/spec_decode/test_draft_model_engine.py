@@ -3,15 +3,12 @@
 under chunked prefill, prefix caching, preemption and block sizes 1 and 16; sampled output on a
 tiny-vocabulary model follows the target's exact next-token distribution at drafted positions
 (chi-square, fixed seeds); penalties and min_tokens see the earlier drafts."""
-import math
-from collections import Counter
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from prompts import random_prompts
-from spec_runs import GREEDY, run, spec_config
+from spec_runs import GREEDY, assert_second_tokens_follow_the_target, run, spec_config
 
 
 def spec(draft, k=3, **kw):
@@ -69,16 +66,9 @@ def test_draft_vocabulary_must_match(llama_ckpt, make_ckpt):
         LLM(model=llama_ckpt, kv_cache_memory=16 << 20, speculative_config=spec(other))
 
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: 0.999)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 def test_sampled_drafted_positions_follow_the_target(make_ckpt):
     """Tiny vocabulary: the exact p(token 2 | prompt, token 1) comes from HF; token 2 is the
     drafted position (a different random draft model proposes it, so q != p)."""
-    from transformers import AutoModelForCausalLM
-
     vocab = 8
     target = make_ckpt("tiny_vocab_target", "llama", vocab_size=vocab, layers=1, hidden=32, heads=2, kv_heads=1,
                        intermediate=64, init_std=0.6, seed=3)
@@ -93,24 +83,4 @@ def test_sampled_drafted_positions_follow_the_target(make_ckpt):
     s = llm.get_stats()
     assert s.spec_num_drafts == n and 0 < s.spec_num_accepted_tokens < n  # every token 2 was drafted; some rejected
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
-
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    with torch.no_grad():
-        ids = torch.tensor([prompt + [t] for t in range(vocab)])
-        p = torch.softmax(hf(ids).logits[:, -1].double(), dim=-1)  # p[t1] = p(token 2 | prompt, t1)
-    stat, df = 0.0, 0
-    by_first = Counter(t1 for t1, _ in pairs)
-    for t1, count in by_first.items():
-        if count < 80:
-            continue
-        seen = Counter(t2 for a, t2 in pairs if a == t1)
-        expected = p[t1] * count
-        big = [t for t in range(vocab) if expected[t] >= 5]
-        small = [t for t in range(vocab) if expected[t] < 5]
-        cells = [(seen[t], float(expected[t])) for t in big]
-        if small:
-            cells.append((sum(seen[t] for t in small), float(expected[small].sum())))
-        stat += sum((o - e) ** 2 / e for o, e in cells)
-        df += len(cells) - 1
-    assert df >= 10
-    assert stat < _chi2_critical(df), (stat, df)
+    assert_second_tokens_follow_the_target(pairs, target, prompt, vocab)

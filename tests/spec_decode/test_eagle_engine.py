@@ -6,14 +6,12 @@ follow the target at drafted positions; the loader maps EAGLE-1 checkpoints with
 their own embedding, fc bias, a ``model.`` prefix, and pytorch_model.bin; the head module equals
 the EAGLE-1 equations in plain torch; early consumption of long prompts' features proposes the
 same drafts; unsupported targets are refused."""
-import math
-from collections import Counter
 
 import pytest
 import torch
 from eagle_heads import bigram_head_tensors, make_bigram_target, make_eagle_head
 from prompts import random_prompts
-from spec_runs import GREEDY, run, spec_config
+from spec_runs import GREEDY, assert_second_tokens_follow_the_target, run, spec_config
 
 from pagedllm import LLM, SamplingParams
 
@@ -185,16 +183,9 @@ def test_refusals(llama_ckpt, make_ckpt, ckpt_dir, head):
         LLM(model=llama_ckpt, kv_cache_memory=16 << 20, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
 
 
-def _chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: 0.999)."""
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 def test_sampled_drafted_positions_follow_the_target(make_ckpt, ckpt_dir):
     """Tiny vocabulary: token 2 is drafted by a random head (q != p) and verified; its empirical
     distribution given token 1 equals HF's p(token 2 | prompt, token 1) (chi-square, fixed seeds)."""
-    from transformers import AutoModelForCausalLM
-
     vocab = 8
     target = make_ckpt("tiny_vocab_target", "llama", vocab_size=vocab, layers=1, hidden=32, heads=2, kv_heads=1,
                        intermediate=64, init_std=0.6, seed=3)
@@ -208,24 +199,7 @@ def test_sampled_drafted_positions_follow_the_target(make_ckpt, ckpt_dir):
     s = llm.get_stats()
     assert s.spec_num_drafts == n and 0 < s.spec_num_accepted_tokens < n
     pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    with torch.no_grad():
-        p = torch.softmax(hf(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1].double(), dim=-1)
-    stat, df = 0.0, 0
-    for t1, count in Counter(t1 for t1, _ in pairs).items():
-        if count < 80:
-            continue
-        seen = Counter(t2 for a, t2 in pairs if a == t1)
-        expected = p[t1] * count
-        big = [t for t in range(vocab) if expected[t] >= 5]
-        small = [t for t in range(vocab) if expected[t] < 5]
-        cells = [(seen[t], float(expected[t])) for t in big]
-        if small:
-            cells.append((sum(seen[t] for t in small), float(expected[small].sum())))
-        stat += sum((o - e) ** 2 / e for o, e in cells)
-        df += len(cells) - 1
-    assert df >= 10
-    assert stat < _chi2_critical(df), (stat, df)
+    assert_second_tokens_follow_the_target(pairs, target, prompt, vocab)
 
 
 def test_early_consumption_of_long_prompts_proposes_the_same(llama_ckpt, head, monkeypatch):
