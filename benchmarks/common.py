@@ -66,6 +66,25 @@ def cpu_info() -> dict:
         return {"error": repr(e)}
 
 
+def device_info(device: str) -> dict:
+    """The accelerator a GPU figure came from (name, memory, SMs, torch / CUDA / Triton versions);
+    {"device": "cpu"} for CPU runs, whose CPU is recorded under "cpu"."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return {"device": "cpu"}
+    props = torch.cuda.get_device_properties(0)
+    info = {"device": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
+            "sms": props.multi_processor_count, "torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
 def write_json(path: str | None, data) -> None:
     """Write ``data`` (with the CPU and kernel level under "cpu" when it is a dict) as JSON."""
     if path:

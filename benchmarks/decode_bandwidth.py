@@ -1,5 +1,7 @@
 """Decode speed against the memory limit: tokens/s of batch-1 and batch-16 decode steps and the
-fraction of the machine's measured memory bandwidth they reach.
+fraction of the machine's measured memory bandwidth they reach (on a CUDA device, ``--device
+cuda``: the card's device-to-device copy bandwidth, bytes read + written, and the HBM floor of
+each step = its bytes / that bandwidth).
 
 A decode step must read every weight once (the embedding table aside: only B rows of it) plus
 each sequence's KV cache; on a CPU that is what bounds batch-1 decode. Bytes per step / time per
@@ -9,6 +11,7 @@ timing the same prompts with 1 output token and with 1 + D (prefix caching off, 
 run computes its prefill again).
 
     python benchmarks/decode_bandwidth.py --model llama-1b --dtype bfloat16 --batches 1,16
+    python benchmarks/decode_bandwidth.py --device cuda --batches 1,32,256
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_model, print_table, random_workload, write_json  # noqa: E402
+from common import device_info, ensure_model, print_table, random_workload, write_json  # noqa: E402
 
 
 def cpu_flags() -> dict:
@@ -50,6 +53,29 @@ def stream_bandwidth(gib: float = 1.0, rounds: int = 5) -> float:
     return buf.numel() * 4 / best
 
 
+def copy_bandwidth_cuda(gib: float = 2.0, rounds: int = 10) -> float:
+    """Bytes/s of a device-to-device copy (read + written), best of ``rounds``: the HBM figure a
+    decode step's bytes are held against on a GPU."""
+    import torch
+
+    n = int(gib * 2**30)
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / best
+
+
 def weight_bytes_per_step(model) -> int:
     """Bytes a decode step reads of the weights: every parameter but the input embedding table,
     of which it reads only B rows (a tied LM head has its own packed copy, counted as the head)."""
@@ -57,12 +83,13 @@ def weight_bytes_per_step(model) -> int:
                if not name.endswith("embed_tokens.weight"))
 
 
-def run(path: str, dtype: str, batch: int, prompt_len: int, decode_tokens: int, threads: int | None) -> dict:
+def run(path: str, dtype: str, batch: int, prompt_len: int, decode_tokens: int, threads: int | None,
+        device: str = "cpu", enforce_eager: bool = False) -> dict:
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=path, dtype=dtype, skip_tokenizer_init=True, enable_prefix_caching=False,
               kv_cache_memory=2 << 30, max_num_seqs=max(batch, 1), max_model_len=prompt_len + decode_tokens + 8,
-              cpu_threads=threads)
+              cpu_threads=threads, device=device, enforce_eager=enforce_eager)
     prompts = [p for p, _ in random_workload(batch, seed=batch, prompt_range=(prompt_len, prompt_len))]
     ids = [{"prompt_token_ids": p} for p in prompts]
 
@@ -96,22 +123,30 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--enforce-eager", action="store_true", help="cuda: no CUDA graphs")
     ap.add_argument("--out", default="benchmarks/results/decode_bandwidth.json")
     args = ap.parse_args()
 
     path = ensure_model(args.model) if not os.path.isdir(args.model) else args.model
-    bw = stream_bandwidth()
+    gpu = args.device == "cuda"
+    bw = copy_bandwidth_cuda() if gpu else stream_bandwidth()
+    what = "device copy bandwidth (read + write)" if gpu else "streaming read"
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        r = run(path, args.dtype, b, args.prompt_len, args.decode_tokens, args.threads)
-        r["of_bandwidth"] = round(r.pop("bytes_per_s") / bw, 3)
+        r = run(path, args.dtype, b, args.prompt_len, args.decode_tokens, args.threads, args.device, args.enforce_eager)
+        bps = r.pop("bytes_per_s")
+        r["of_bandwidth"] = round(bps / bw, 3)
+        r["floor_ms"] = round((r["weight_bytes"] + r["kv_bytes"]) / bw * 1e3, 3)
         rows.append(r)
-        print(f"batch {b}: {r['tok_s']} tok/s, {r['of_bandwidth']:.0%} of the streaming bandwidth", flush=True)
-    print(f"\nmodel={args.model} dtype={args.dtype} prompt_len={args.prompt_len} decode_tokens={args.decode_tokens} "
-          f"streaming read {bw / 1e9:.1f} GB/s")
-    print_table(rows, ["batch", "step_ms", "tok_s", "weight_bytes", "kv_bytes", "of_bandwidth"])
+        print(f"batch {b}: {r['step_ms']} ms/step, {r['tok_s']} tok/s, {r['of_bandwidth']:.0%} of the {what} "
+              f"(floor {r['floor_ms']} ms)", flush=True)
+    print(f"\nmodel={args.model} dtype={args.dtype} device={args.device} prompt_len={args.prompt_len} "
+          f"decode_tokens={args.decode_tokens} {what} {bw / 1e9:.1f} GB/s")
+    print_table(rows, ["batch", "step_ms", "floor_ms", "tok_s", "weight_bytes", "kv_bytes", "of_bandwidth"])
     write_json(args.out, {"model": args.model, "dtype": args.dtype, "stream_read_GBps": round(bw / 1e9, 2),
-                          "results": rows, "cpu": cpu_flags(), "argv": sys.argv})
+                          "bandwidth_measure": what, "results": rows, "cpu": cpu_flags(),
+                          "device": device_info(args.device), "argv": sys.argv})
 
 
 if __name__ == "__main__":

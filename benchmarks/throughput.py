@@ -17,7 +17,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_model, print_table, random_workload, write_json  # noqa: E402
+from common import device_info, ensure_model, print_table, random_workload, write_json  # noqa: E402
 
 
 def run_pagedllm(path, reqs, dtype, args) -> float:
@@ -25,7 +25,8 @@ def run_pagedllm(path, reqs, dtype, args) -> float:
 
     llm = LLM(model=path, dtype=dtype, kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, skip_tokenizer_init=True,
-              tensor_parallel_size=args.tensor_parallel_size, cpu_kv_cache_prefault=args.kv_cache_prefault, pipeline_parallel_size=args.pipeline_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, cpu_kv_cache_prefault=args.kv_cache_prefault,
+              pipeline_parallel_size=args.pipeline_parallel_size, device=args.device)
     warm = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
     llm.generate(prompt_token_ids=[reqs[0][0]], sampling_params=warm, use_tqdm=False)
     sps = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for _, o in reqs]
@@ -37,12 +38,12 @@ def run_pagedllm(path, reqs, dtype, args) -> float:
     return dt
 
 
-def run_hf(path, reqs, dtype, batch_size) -> float:
+def run_hf(path, reqs, dtype, batch_size, device="cpu") -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
     torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
 
     def batch_generate(batch):
         L = max(len(p) for p, _ in batch)
@@ -53,14 +54,20 @@ def run_hf(path, reqs, dtype, batch_size) -> float:
             mask[i, L - len(p):] = 1
         new = max(o for _, o in batch)  # a static batch runs until its longest output is done
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+            model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                            pad_token_id=0, eos_token_id=None)
 
     batch_generate(reqs[:1][:1] and [(reqs[0][0], 4)])
     t = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         batch_generate(reqs[i:i + batch_size])
-    return time.perf_counter() - t
+    if device != "cpu":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()
+    return dt
 
 
 VLLM_SCRIPT = r"""
@@ -113,6 +120,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--pipeline-parallel-size", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: both engines run there (HF moved with .to)")
     ap.add_argument("--out", default="benchmarks/results/throughput.json")
     args = ap.parse_args()
 
@@ -128,7 +136,7 @@ def main() -> None:
         if eng == "pagedllm":
             dt = run_pagedllm(path, reqs, args.dtype, args)
         elif eng == "hf":
-            dt = run_hf(path, reqs, args.dtype, args.hf_batch_size)
+            dt = run_hf(path, reqs, args.dtype, args.hf_batch_size, args.device)
             eng = f"hf-static-b{args.hf_batch_size}"
         elif eng == "vllm":
             dt = run_vllm(args.vllm_python, path, reqs, args.dtype)
@@ -144,7 +152,8 @@ def main() -> None:
     print(f"\nmodel={args.model} dtype={args.dtype} requests={len(reqs)} prompt_tokens={total_prompt} output_tokens={total_out}")
     print_table(rows, ["engine", "seconds", "total_tok_s", "output_tok_s", "vs_hf"])
     write_json(args.out, {"model": args.model, "dtype": args.dtype, "num_requests": len(reqs), "prompt_tokens": total_prompt,
-                          "output_tokens": total_out, "results": rows, "argv": sys.argv})
+                          "output_tokens": total_out, "results": rows, "device": device_info(args.device),
+                          "argv": sys.argv})
 
 
 if __name__ == "__main__":
