@@ -95,7 +95,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     block_size: int = 16
-    kv_cache_memory: Optional[int] = None  # bytes (CPU); None: sized from the memory available (cpu_memory_utilization)
+    kv_cache_memory: Optional[int] = None  # bytes; None: sized from cpu_memory_utilization / gpu_memory_utilization
     cpu_memory_utilization: float = 0.5  # CPU: fraction of the available host memory for KV cache + activations
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: Optional[int] = None

@@ -26,8 +26,9 @@ _HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "seed": "global random seed",
     "block_size": "tokens per KV cache block (a power of two)",
-    "kv_cache_memory": "KV cache budget on CPU, in bytes or with a unit (512MiB, 2GiB); overrides "
-                       "--cpu-memory-utilization (default: sized from the memory available)",
+    "kv_cache_memory": "KV cache budget per rank, in bytes or with a unit (512MiB, 2GiB); overrides "
+                       "--cpu-memory-utilization / --gpu-memory-utilization (default: sized from the memory "
+                       "available)",
     "cpu_memory_utilization": "CPU: fraction of the memory available to the process after loading the weights "
                               "(MemAvailable, cgroup limits respected; shared by the tensor-parallel ranks on one "
                               "host) that the KV cache and one step's activations may use (default 0.5)",

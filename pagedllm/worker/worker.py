@@ -262,8 +262,15 @@ class Worker:
 
         peak = profile_peak_forward(self, self.max_num_batched_tokens)
         used_now = total - free
-        budget = int(max(total * self.config.gpu_memory_utilization - used_now - peak, 0))
         self.activation_bytes = int(peak)
+        if self.config.kv_cache_memory is not None:  # an explicit budget replaces gpu_memory_utilization
+            room = free - peak
+            if self.config.kv_cache_memory > room:
+                raise ValueError(f"kv_cache_memory {gib(self.config.kv_cache_memory)} does not fit on {self.device}: "
+                                 f"{gib(free)} free - {gib(peak)} of activations = {gib(room)}")
+            self.budget_note = f"kv_cache_memory {gib(self.config.kv_cache_memory)} (set explicitly)"
+            return self.config.kv_cache_memory
+        budget = int(max(total * self.config.gpu_memory_utilization - used_now - peak, 0))
         self.budget_note = (f"{gib(total)} x gpu_memory_utilization {self.config.gpu_memory_utilization:g} - "
                             f"{gib(used_now)} in use - activations = {gib(budget)}")
         return budget

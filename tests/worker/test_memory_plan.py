@@ -140,3 +140,44 @@ def test_kv_cache_memory_overrides_and_too_little_memory_is_clear(long_ckpt, mon
         LLM(model=long_ckpt, dtype="float32", max_num_seqs=4)
     llm = LLM(model=long_ckpt, dtype="float32", kv_cache_memory=2 << 20, max_num_seqs=4)  # the host is not asked
     assert llm.engine.core.num_blocks == (2 << 20) // llm.engine.core.executor.worker.kv_spec.bytes_per_block
+
+
+class _CudaStub:
+    """torch.cuda's memory queries for a GPU budget without a GPU: 80 GiB card, 70 GiB free."""
+
+    def __init__(self, monkeypatch, peak):
+        import torch
+
+        import pagedllm.worker.profile as profile
+
+        monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (70 * GiB, 80 * GiB))
+        monkeypatch.setattr(profile, "profile_peak_forward", lambda worker, n: peak)
+
+
+def _gpu_worker(**config):
+    from types import SimpleNamespace
+
+    from pagedllm.worker.worker import Worker
+
+    w = SimpleNamespace(config=SimpleNamespace(gpu_memory_utilization=0.9, **config), max_num_batched_tokens=2048,
+                        device="cuda:0", budget_note="")
+    return lambda: Worker._profile_cuda_budget(w), w
+
+
+def test_kv_cache_memory_applies_on_cuda(monkeypatch):
+    """On a GPU an explicit kv_cache_memory replaces gpu_memory_utilization (as on CPU); without it
+    the budget is utilization x total - in use - activations."""
+    _CudaStub(monkeypatch, peak=2 * GiB)
+    budget, w = _gpu_worker(kv_cache_memory=3 * GiB)
+    assert budget() == 3 * GiB and "set explicitly" in w.budget_note and w.activation_bytes == 2 * GiB
+    budget, _ = _gpu_worker(kv_cache_memory=None)
+    assert budget() == int(0.9 * 80 * GiB - 10 * GiB - 2 * GiB)
+
+
+def test_kv_cache_memory_too_large_for_the_gpu_names_the_field(monkeypatch):
+    _CudaStub(monkeypatch, peak=2 * GiB)
+    budget, _ = _gpu_worker(kv_cache_memory=69 * GiB)  # 70 free - 2 activations = 68
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        budget()
