@@ -53,3 +53,25 @@ def test_cpu_gemm_benchmark_smoke(tmp_path):
     for row in rows:
         figures = {k: v for k, v in row.items() if "GFLOP/s" in k}
         assert figures and all(isinstance(v, (int, float)) and v >= 0 for v in figures.values()), row
+
+
+def test_throughput_floor_arithmetic():
+    """The floor of throughput_floor.py: model FLOPs and K/V bytes of the workload, counted by hand
+    for two requests, at made-up rates (no timing involved)."""
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from throughput_floor import floor_seconds, gemm_rate
+
+    rates = [(1, 10.0), (100, 100.0)]
+    assert gemm_rate(rates, 1) == 10.0 and gemm_rate(rates, 1000) == 100.0
+    assert abs(gemm_rate(rates, 10) - 55.0) < 1e-9  # halfway in log(rows)
+    shape = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    reqs = [([5] * 3, 2), ([5] * 4, 3)]  # (prompt, outputs)
+    f = floor_seconds(shape, reqs, [(1, 1.0), (2, 1.0)], bandwidth=1e9, elt=2, vocab=10)
+    params = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)
+    head = 2 * 10 * 8
+    assert f["prompt_tokens"] == 7 and f["decode_tokens"] == 3  # steps k=1: 2 rows, k=2: 1 row
+    assert f["model_flop"] == 7 * 2 * params + 3 * 2 * params + 5 * head
+    kv = ((3 + 1) + (4 + 1) + (4 + 2)) * 2 * 2 * 1 * 4 * 2  # context per decode token x layers x K,V x kvh x hd x 2 B
+    assert abs(f["decode_kv_GB"] * 1e9 - kv) < 1e-6
+    assert abs(f["linear_decode_s"] - 3 * (2 * params + head) / 1e9) < 1e-15
