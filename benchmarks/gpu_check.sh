@@ -5,11 +5,12 @@
 #   2. end to end on the GPU: greedy vs HF (float32 / bf16, CUDA graphs and eager);
 #   3. decode step time of the random 1.1B Llama at batch 1 / 32 / 256 vs the HBM floor
 #      (weights + KV bytes per step / the card's measured copy bandwidth);
-#   4. offline throughput of the 64-request random workload beside HF transformers on the card;
+#   4. a torch.profiler table of the batch-1 decode loop (host vs device time per op), then the
+#      offline throughput of the 64-request random workload beside HF transformers on the card;
 #   5. the paged-attention kernel's achieved bandwidth (benchmarks/attention_kernel.py);
 #   6. a broader slice of the CPU suite run with the GPU visible (device "auto" -> cuda).
 # Results go under $OUT (at most 8 files come back from the device tool): summary.txt,
-# tests.log, bench.log, broad.log, decode.json, throughput.json.
+# tests.log, bench.log, broad.log, decode.json, profile.b1.txt, throughput.json.
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh [--budget SECONDS] [--quick]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,9 +67,11 @@ step triton_tests "$OUT/tests.log" 200 "${PYTEST[@]}" -n 8 tests/attention/test_
 step gpu_engine "$OUT/tests.log" 150 "${PYTEST[@]}" tests/engine/test_gpu_engine.py
 
 wait "$MODEL_PID"
-cat "$OUT/model.log" >>"$OUT/bench.log"
+cat "$OUT/model.log" >>"$OUT/bench.log" && rm -f "$OUT/model.log"
 step decode_floor "$OUT/bench.log" 200 "$PY" benchmarks/decode_bandwidth.py --device cuda --model llama-1b \
     --batches 1,32,256 --prompt-len 128 --decode-tokens 32 --out "$OUT/decode.json"
+step decode_profile "$OUT/bench.log" 90 "$PY" benchmarks/decode_bandwidth.py --device cuda --model llama-1b \
+    --batches 1 --prompt-len 128 --decode-tokens 32 --profile "$OUT/profile" --out /tmp/decode_profile.json
 step throughput "$OUT/bench.log" 150 "$PY" benchmarks/throughput.py --device cuda --model llama-1b \
     --engines pagedllm,hf --num-requests 64 --out "$OUT/throughput.json"
 if [ "$QUICK" -eq 1 ]; then
