@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -121,6 +122,9 @@ class EngineConfig:
     cpu_kv_cache_prefault: bool = False  # fault the KV cache's pages in at start-up, not at first write (worker/cpu_memory.py)
     cpu_threads: Optional[int] = field(default_factory=envs.cpu_threads)
     cpu_threads_bind: Optional[str] = field(default_factory=envs.cpu_threads_bind)
+    # linear layers' GEMM per weight shape: "auto" (pagedllm's or oneDNN's, timed at start-up and cached
+    # per CPU: layers/gemm_select.py), "pagedllm" or "onednn"
+    cpu_gemm: str = field(default_factory=envs.cpu_gemm)
     speculative_config: Optional[SpeculativeConfig] = None  # a dict or JSON text is parsed into one
     # LoRA adapters (PEFT format) served beside the base weights, mixed in one batch
     enable_lora: bool = False
@@ -215,6 +219,8 @@ class EngineConfig:
         if self.max_loras_per_step is not None and not 1 <= self.max_loras_per_step <= self.max_loras:
             raise ValueError(f"max_loras_per_step must be in 1..max_loras ({self.max_loras}), got "
                              f"{self.max_loras_per_step}")
+        if self.cpu_gemm not in ("auto", "pagedllm", "onednn"):
+            raise ValueError(f"cpu_gemm must be 'auto', 'pagedllm' or 'onednn', got {self.cpu_gemm!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_threads_bind is not None:
@@ -227,6 +233,36 @@ class EngineConfig:
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             raise ValueError("generation_config must be 'auto' (the model's generation_config.json), 'vllm' (ignore "
                              f"it) or a directory holding a generation_config.json, got {self.generation_config!r}")
+
+
+# `pagedllm serve` on CPU runs at most this many sequences at once unless --max-num-seqs says
+# otherwise (EngineConfig's 256 stays the offline default). A CPU decode step costs about the
+# same per row from ~64 rows up (the GEMMs are compute-bound there and attention, sampling and
+# the server's per-token work are per row), so rows beyond ~128 add almost no throughput but
+# stretch every stream's time per output token in proportion; requests past the cap wait in the
+# queue instead (docs/benchmarks.md, issue 15 serving at saturation). vLLM's CPU server uses 128.
+CPU_SERVE_MAX_NUM_SEQS = 128
+
+
+def _cuda_device_present() -> bool:
+    """Whether this host shows an NVIDIA GPU (without importing torch, unless it already is)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.cuda.is_available()
+    visible = envs.cuda_visible_devices()
+    if visible is not None and not visible:
+        return False
+    return os.path.exists("/dev/nvidia0") or bool(os.path.isdir("/proc/driver/nvidia/gpus")
+                                                  and os.listdir("/proc/driver/nvidia/gpus"))
+
+
+def serve_default_max_num_seqs(device: Optional[str]) -> int:
+    """max_num_seqs of the OpenAI server when the flag is not given: CPU_SERVE_MAX_NUM_SEQS where
+    the engine runs on CPU (device "cpu", or "auto" on a host without a GPU), else EngineConfig's."""
+    default = EngineConfig.__dataclass_fields__["max_num_seqs"].default
+    device = device or "auto"
+    on_cpu = device == "cpu" or (device == "auto" and not _cuda_device_present())
+    return CPU_SERVE_MAX_NUM_SEQS if on_cpu else default
 
 
 def resolve_max_waiting_requests(config: EngineConfig) -> int:

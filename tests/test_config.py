@@ -74,3 +74,23 @@ def test_worker_threads_follow_the_binding(monkeypatch):
     finally:
         os.sched_setaffinity(0, allowed)
         torch.set_num_threads(prev)
+
+
+def test_serve_default_batch_follows_the_device(monkeypatch):
+    """The CPU server's smaller running batch applies where the engine runs on CPU: device "cpu", or
+    "auto" on a host without a GPU (found without importing torch, or by torch once it is imported)."""
+    import sys
+    import types
+
+    import pagedllm.config as config
+
+    assert config.serve_default_max_num_seqs("cpu") == config.CPU_SERVE_MAX_NUM_SEQS
+    assert config.serve_default_max_num_seqs("cuda") == EngineConfig.__dataclass_fields__["max_num_seqs"].default
+    for has_gpu in (False, True):
+        fake = types.SimpleNamespace(cuda=types.SimpleNamespace(is_available=lambda: has_gpu))
+        monkeypatch.setitem(sys.modules, "torch", fake)
+        want = 256 if has_gpu else config.CPU_SERVE_MAX_NUM_SEQS
+        assert config.serve_default_max_num_seqs("auto") == config.serve_default_max_num_seqs(None) == want
+    monkeypatch.delitem(sys.modules, "torch")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible to this process
+    assert config.serve_default_max_num_seqs("auto") == config.CPU_SERVE_MAX_NUM_SEQS

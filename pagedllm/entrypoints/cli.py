@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig, default_model_path
+from pagedllm.config import EngineConfig, default_model_path, serve_default_max_num_seqs
 
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
@@ -34,7 +34,8 @@ _HELP = {
                               "host) that the KV cache and one step's activations may use (default 0.5)",
     "gpu_memory_utilization": "fraction of GPU memory the engine may use (weights + activations + KV cache)",
     "num_gpu_blocks_override": "use exactly this many KV cache blocks",
-    "max_num_seqs": "most requests in one batch",
+    "max_num_seqs": "most requests in one batch (default 256; `serve` on CPU: 128, a bound on the time per "
+                    "output token at saturation)",
     "max_num_batched_tokens": "token budget of one step",
     "max_model_len": "context length (prompt + output); default: the model's max_position_embeddings, lowered "
                      "to what the KV cache holds (an explicit value that does not fit is an error)",
@@ -56,6 +57,8 @@ _HELP = {
                          "generation_config.json), vllm (ignore it), or a directory holding a generation_config.json",
     "cpu_kernels": "use pagedllm's C++ CPU kernels (built for this CPU on first use; env PAGEDLLM_DISABLE_CPU_KERNELS=1 "
                    "turns the default off); --no-cpu-kernels runs the pure-torch paths",
+    "cpu_gemm": "CPU linear layers per weight shape: auto (pagedllm's packed GEMM or oneDNN's, whichever this CPU "
+                "runs faster, timed at start-up and cached per CPU), pagedllm, or onednn; env PAGEDLLM_CPU_GEMM",
     "kernel_cache_dir": "where built CPU kernels are cached (default: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels)",
     "cpu_keep_freed_memory": "let glibc malloc keep freed activations for reuse (faster steps; resident memory stays "
                              "at its peak); env PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 turns the default off",
@@ -291,6 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.model = args.model or args.model_pos
         if not args.model and not args.served_model_name:  # the embedded default model
             args.served_model_name = os.path.basename(default_model_path())
+        if args.max_num_seqs is None:  # on CPU a smaller running batch (config.CPU_SERVE_MAX_NUM_SEQS)
+            args.max_num_seqs = serve_default_max_num_seqs(args.device)
         config = engine_config_from_args(args)
         if args.data_parallel_size != 1:
             if args.data_parallel_size < 1:

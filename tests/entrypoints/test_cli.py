@@ -169,3 +169,25 @@ def test_engine_start_imports_no_transformers(llama_ckpt):
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_serve_on_cpu_runs_at_most_128_sequences_unless_told(llama_ckpt, monkeypatch):
+    """`pagedllm serve` on CPU defaults max_num_seqs to config.CPU_SERVE_MAX_NUM_SEQS (a bound on the
+    time per output token at saturation); --max-num-seqs wins; the offline default stays 256."""
+    import pagedllm.entrypoints.openai.api_server as api_server
+    from pagedllm.config import CPU_SERVE_MAX_NUM_SEQS, EngineConfig, serve_default_max_num_seqs
+    from pagedllm.entrypoints.cli import main
+
+    import logging
+
+    import pagedllm.entrypoints.cli as cli
+
+    seen = []
+    monkeypatch.setattr(api_server, "run_server", lambda config, server_args, stop: seen.append(config) or 0)
+    monkeypatch.setattr(cli, "_catch_stop_signals", lambda: (lambda: False))  # pytest keeps its handlers
+    monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
+    assert main(["serve", llama_ckpt, "--device", "cpu"]) == 0
+    assert main(["serve", llama_ckpt, "--device", "cpu", "--max-num-seqs", "300"]) == 0
+    assert [c.max_num_seqs for c in seen] == [CPU_SERVE_MAX_NUM_SEQS, 300] and CPU_SERVE_MAX_NUM_SEQS == 128
+    assert EngineConfig(model=llama_ckpt).max_num_seqs == 256  # LLM / offline
+    assert serve_default_max_num_seqs("cuda") == serve_default_max_num_seqs("cuda:1") == 256
