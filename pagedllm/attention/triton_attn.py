@@ -46,7 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention import kv_quant
 from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.triton_kv_quant import KV_PLAIN, kv_dequant_tile, kv_kind, reshape_and_cache_quant
 
 _LOG2E = 1.4426950408889634
 
@@ -165,6 +167,8 @@ def _unified_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,  # 8-bit caches: bf16 scales [num_blocks, block_size, kv_heads] (else unused)
+    v_scale_ptr,
     out_ptr,
     part_acc_ptr,
     part_m_ptr,
@@ -186,6 +190,9 @@ def _unified_attention_kernel(
     stride_cs,
     stride_ch,
     stride_cd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
     stride_bt,
     SLIDING_WINDOW: tl.constexpr,  # 0 = no window
     SOFT_CAP: tl.constexpr,  # logit soft-capping compiled in (a separate specialisation)
@@ -199,6 +206,7 @@ def _unified_attention_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # 0: cache in the model dtype; else triton_kv_quant's code (bytes + scales)
 ):
     tile_id = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -263,17 +271,30 @@ def _unified_attention_kernel(
             k_cache_ptr + tok_off[None, :] + offs_d[:, None] * stride_cd,
             mask=kv_ok[None, :] & d_ok[:, None],
             other=0.0,
-        ).to(q.dtype)
+        )
         v = tl.load(
             v_cache_ptr + tok_off[:, None] + offs_d[None, :] * stride_cd,
             mask=kv_ok[:, None] & d_ok[None, :],
             other=0.0,
-        ).to(q.dtype)
+        )
+        if KV_QUANT == 0:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        else:
+            # 8-bit values, exact in q's dtype; the per-token scales scale the score columns (K)
+            # and the softmax weights (V) in float32. Masked keys: scale 0, score masked below.
+            k = kv_dequant_tile(k, KV_QUANT, q.dtype)
+            v = kv_dequant_tile(v, KV_QUANT, q.dtype)
+            s_off = blk * stride_sb + (kp % BLOCK_SIZE).to(tl.int64) * stride_ss + kvh.to(tl.int64) * stride_sh
+            k_sc = tl.load(k_scale_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32)
+            v_sc = tl.load(v_scale_ptr + s_off, mask=kv_ok, other=0.0).to(tl.float32)
 
         if IEEE_DOT:
             s = tl.dot(q, k, input_precision="ieee")
         else:
             s = tl.dot(q, k)
+        if KV_QUANT != 0:
+            s = s * k_sc[None, :]
         if SOFT_CAP:
             # scale_log2 = scale * log2(e): cap the natural-unit score, then back to base 2.
             # tanh(x) = 1 - 2 / (exp(2x) + 1), exact at both ends in float32.
@@ -294,6 +315,8 @@ def _unified_attention_kernel(
         p = tl.exp2(s - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT != 0:
+            p = p * v_sc[None, :]
         if IEEE_DOT:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -410,6 +433,7 @@ def unified_attention(
     sliding_window: int | None = None,
     num_splits: int | None = None,
     soft_cap: float | None = None,
+    kv_scales: torch.Tensor | None = None,  # 8-bit kv_cache: [2, num_blocks, block_size, num_kv_heads] bf16
 ) -> torch.Tensor:
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -428,7 +452,20 @@ def unified_attention(
         )
     assert num_splits >= 1 and (num_splits & (num_splits - 1)) == 0, "num_splits: power of two"
 
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if kv_scales is None:
+        kv_code = KV_PLAIN
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        k_scales = v_scales = k_cache  # unused
+        scale_strides = (0, 0, 0)
+    else:
+        kv_code = kv_kind(kv_cache.dtype)
+        assert kv_scales.shape == kv_cache.shape[:-1] and kv_scales.dtype == kv_quant.SCALE_DTYPE
+        cache_u8 = kv_cache.view(torch.uint8)  # bitcast to the 8-bit format in the kernel
+        k_cache, v_cache = cache_u8[0], cache_u8[1]
+        k_scales, v_scales = kv_scales[0], kv_scales[1]
+        assert k_scales.stride() == v_scales.stride()
+        scale_strides = k_scales.stride()
+    assert k_cache.stride() == v_cache.stride()
     if num_splits > 1:
         part_acc = torch.empty(
             (num_tokens, num_heads, num_splits, head_pad), dtype=torch.float32, device=query.device
@@ -444,6 +481,8 @@ def unified_attention(
         query,
         k_cache,
         v_cache,
+        k_scales,
+        v_scales,
         out,
         part_acc,
         part_m,
@@ -465,6 +504,7 @@ def unified_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         k_cache.stride(3),
+        *scale_strides,
         block_table.stride(0),
         SLIDING_WINDOW=int(sliding_window) if sliding_window else 0,
         SOFT_CAP=bool(soft_cap),
@@ -478,6 +518,7 @@ def unified_attention(
         TILE_N=tile_n,
         NUM_SPLITS=num_splits,
         IEEE_DOT=query.dtype == torch.float32,
+        KV_QUANT=kv_code,
         num_warps=4,
         num_stages=2 if block_m > 16 else 3,
     )
@@ -526,10 +567,15 @@ class TritonAttentionImpl:
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``kv_scales`` [2, num_blocks, block_size, kv_heads]: the cache is 8-bit (kv_quant.py)."""
         n = metadata.num_actual_tokens
         if key is not None and value is not None and n > 0:
-            reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:n])
+            if kv_scales is None:
+                reshape_and_cache(key, value, kv_cache, metadata.slot_mapping[:n])
+            else:
+                reshape_and_cache_quant(key, value, kv_cache, kv_scales, metadata.slot_mapping[:n])
         if query.shape[0] > n:  # padded batch (e.g. CUDA graphs): keep padding rows finite
             out = torch.zeros_like(query)
         else:
@@ -549,12 +595,14 @@ class TritonAttentionImpl:
             sliding_window=self.sliding_window,
             num_splits=self.num_splits,
             soft_cap=self.soft_cap,
+            kv_scales=kv_scales,
         )
         return out
 
 
 class TritonAttentionBackend:
     name = "triton"
+    kv_cache_dtypes = ("auto",) + kv_quant.QUANTIZED_KV_CACHE_DTYPES
 
     @staticmethod
     def make_impl(
