@@ -1,6 +1,8 @@
 """kv_cache_dtype end to end on a tiny Llama (float32 model): validation, capacity, logprobs close to
 the full-precision cache, and prefix caching / preemption exact with respect to the same 8-bit
-cache, with the C++ kernels and with the pure-torch paths."""
+cache, with the C++ kernels and with the pure-torch paths on CPU; with a GPU visible (device auto
+-> cuda) through the Triton backend instead (its kernels against torch_native:
+tests/attention/test_triton_kv8.py)."""
 import math
 from types import SimpleNamespace
 
@@ -22,6 +24,24 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # decode steps (while both runs agree on the tokens so far); measured on this model: int8
 # 0.0018 / 0.011, fp8_e4m3 0.013 / 0.078, fp8_e5m2 0.027 / 0.14
 TOLERANCE = {"int8": (0.006, 0.04), "fp8_e4m3": (0.04, 0.25), "fp8_e5m2": (0.08, 0.45)}
+ON_CUDA = torch.cuda.is_available()
+# the attention paths an 8-bit cache takes: on CPU the C++ kernels and the pure-torch paths; on
+# CUDA the Triton backend (None: nothing to switch)
+PATHS = ([pytest.param(None, id="triton")] if ON_CUDA
+         else [pytest.param(True, id="cpu_kernels"), pytest.param(False, id="torch")])
+
+
+def _engine_kwargs(monkeypatch, cpu_kernels) -> dict:
+    if cpu_kernels is None:
+        return {}
+    if not cpu_kernels:  # kernels loaded earlier in this process would still be used
+        monkeypatch.setattr(cpu_kernel_module, "ready", lambda: None)
+    return {"cpu_kernels": cpu_kernels}
+
+
+def _check_backend(llm) -> None:
+    """The 8-bit cache really went through the backend of the device."""
+    assert llm.engine.core.executor.worker.backend.name == ("triton" if ON_CUDA else "torch_native")
 
 
 def test_config_validation(llama_ckpt):
@@ -49,6 +69,7 @@ def test_capacity_at_least_1_9x_bfloat16(make_ckpt):
     tokens = {}
     for name in ("auto", "int8", "fp8_e4m3"):
         llm = LLM(model=path, dtype="bfloat16", kv_cache_dtype=name, kv_cache_memory=4 << 20, max_num_seqs=1024)
+        _check_backend(llm)
         s = llm.get_stats()
         tokens[name] = s.num_total_blocks * 16
         if name != "auto":
@@ -75,12 +96,12 @@ def reference(llama_ckpt):
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3", "fp8_e5m2"])
-@pytest.mark.parametrize("cpu_kernels", [True, False])
+@pytest.mark.parametrize("cpu_kernels", PATHS)
 def test_logprobs_close_to_full_precision_cache(monkeypatch, llama_ckpt, reference, name, cpu_kernels):
     prompts, ref = reference
-    if not cpu_kernels:  # kernels loaded earlier in this process would still be used
-        monkeypatch.setattr(cpu_kernel_module, "ready", lambda: None)
-    llm = LLM(model=llama_ckpt, dtype="float32", kv_cache_dtype=name, kv_cache_memory=8 << 20, cpu_kernels=cpu_kernels)
+    llm = LLM(model=llama_ckpt, dtype="float32", kv_cache_dtype=name, kv_cache_memory=8 << 20,
+              **_engine_kwargs(monkeypatch, cpu_kernels))
+    _check_backend(llm)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=LOGPROBS, use_tqdm=False)
     diffs = []
     for a, b in zip(ref, outs):
@@ -100,14 +121,12 @@ def test_logprobs_close_to_full_precision_cache(monkeypatch, llama_ckpt, referen
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize("cpu_kernels", [True, False])
+@pytest.mark.parametrize("cpu_kernels", PATHS)
 def test_prefix_cache_and_preemption_exact(monkeypatch, llama_ckpt, name, cpu_kernels):
     """Warm prefix cache == cold run, forced preemption == none, under the same 8-bit cache."""
-    if not cpu_kernels:
-        monkeypatch.setattr(cpu_kernel_module, "ready", lambda: None)
     shared = random_prompts((96,), seed=9)[0]
     prompts = [shared + p for p in random_prompts((5, 9, 13, 17, 21, 25), seed=10)]
-    kw = dict(model=llama_ckpt, dtype="float32", kv_cache_dtype=name, cpu_kernels=cpu_kernels)
+    kw = dict(model=llama_ckpt, dtype="float32", kv_cache_dtype=name, **_engine_kwargs(monkeypatch, cpu_kernels))
 
     def run(caching, **extra):
         llm = LLM(enable_prefix_caching=caching, **kw, **extra)
@@ -117,6 +136,7 @@ def test_prefix_cache_and_preemption_exact(monkeypatch, llama_ckpt, name, cpu_ke
 
     cold, _ = run(False, kv_cache_memory=4 << 20)
     llm = LLM(enable_prefix_caching=True, kv_cache_memory=4 << 20, **kw)
+    _check_backend(llm)
     llm.generate(prompt_token_ids=[shared + [7]], sampling_params=GREEDY, use_tqdm=False)  # warms the prefix
     warm = [llm.generate(prompt_token_ids=[p], sampling_params=GREEDY, use_tqdm=False)[0].outputs[0].token_ids
             for p in prompts]
