@@ -15,8 +15,10 @@ head, K or V). With bfloat16 scales (8-bit exponent: any float32 magnitude fits)
 The scales live in their own tensor beside the cache ([planes, layers, num_blocks, block_size,
 num_kv_heads]), allocated with it and counted in its memory budget.
 
-Both the C++ kernels (``write_kv_quant``) and this reference produce the same bytes: the same
-float32 division and the same rounding (tests compare them bit for bit).
+The C++ kernels (``write_kv_quant``), the Triton write (triton_kv_quant.py, for CUDA) and this
+reference produce the same bytes: the same float32 division and the same rounding (tests compare
+them bit for bit). Run the reference on CPU tensors when comparing: on CUDA torch divides by a
+scalar through its reciprocal, so ``amax / qmax`` can differ in the last bit there.
 """
 from __future__ import annotations
 

@@ -34,6 +34,14 @@ Two kernels plus an optional reduction:
     Used automatically for decode-only batches with long contexts and too few
     (request, kv head) pairs to fill the GPU.
 
+8-bit caches (kv_cache_dtype int8 / fp8_e4m3 / fp8_e5m2; attention/kv_quant.py's scheme, one bf16
+scale per token and kv head in ``kv_scales``): ``reshape_and_cache_quant`` (triton_kv_quant.py)
+quantizes the new rows with exactly the reference's bytes, and ``unified_attention`` loads the
+tiles as bytes, converts them in registers (exact) and multiplies the K scales into the score
+columns and the V scales into the softmax weights, in fp32 (the compile-time ``KV_QUANT`` code;
+0 compiles the plain kernel as before). The scales are device tensors bound once per layer, so
+CUDA graphs replay them like the cache.
+
 Everything accumulates in fp32; inputs may be fp16/bf16/fp32 (fp32 dots use IEEE precision, not
 TF32). This module imports triton at the top; nothing imports it unless the device is CUDA (see
 ``attention.selector.get_attention_backend``), except the tests which run it under ``TRITON_INTERPRET=1``.
