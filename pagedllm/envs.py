@@ -11,6 +11,7 @@ API key, which operators prefer to keep out of process listings.
 | PAGEDLLM_CPU_KEEP_FREED_MEMORY=0  | EngineConfig.cpu_keep_freed_memory  |
 | PAGEDLLM_THREADS_PER_RANK=N       | EngineConfig.cpu_threads            |
 | PAGEDLLM_CPU_THREADS_BIND=...     | EngineConfig.cpu_threads_bind       |
+| PAGEDLLM_CPU_GEMM=auto|pagedllm|onednn | EngineConfig.cpu_gemm          |
 | PAGEDLLM_API_KEY                  | ``pagedllm serve --api-key``        |
 | CXX                               | the CPU kernels' compiler (c++)     |
 | LOCAL_WORLD_SIZE (set by torchrun) | ranks sharing this host's memory    |
@@ -58,6 +59,10 @@ def cpu_threads() -> Optional[int]:
 
 def cpu_threads_bind() -> Optional[str]:
     return _get("PAGEDLLM_CPU_THREADS_BIND")
+
+
+def cpu_gemm() -> str:
+    return _get("PAGEDLLM_CPU_GEMM") or "auto"
 
 
 def api_key() -> Optional[str]:

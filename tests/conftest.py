@@ -5,6 +5,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One GEMM form everywhere in the suite (inherited by worker processes and servers): with the
+# default "auto" two engines compared token for token (PP=2 vs PP=1, mp vs in-process) could time
+# a shape differently on a busy CI machine and round differently. tests/layers/test_gemm_select.py
+# covers "auto" and "onednn".
+os.environ.setdefault("PAGEDLLM_CPU_GEMM", "pagedllm")
 # Without a GPU every Triton kernel under test runs in Triton's interpreter. Set before anything
 # imports triton: a module imported in compiled mode by one test file and called in interpreted
 # mode by another fails ("Cannot call @triton.jit'd outside of the scope of a kernel"), so the

@@ -111,19 +111,36 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return y
 
 
-def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype) -> int:
+def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype, gemm: str = "pagedllm",
+                        cache_dir: Optional[str] = None) -> int:
     """Replace every packable module's ``weight`` (modules with ``packable_weight = True``) by its
-    packed form -- pagedllm's panels when the C++ kernels are loaded (the worker loads them first
-    unless EngineConfig.cpu_kernels is off), else oneDNN's -- and return how many were packed. A
-    weight shared with another module (a tied LM head shares the embedding table) gets its own
-    packed copy, the original stays dense."""
+    packed form and return how many were packed. With the C++ kernels loaded the form is
+    pagedllm's panels, or per weight shape oneDNN's where ``gemm`` says so ("auto": timed on this
+    CPU, layers/gemm_select.py; "onednn": every shape); without them oneDNN's. A weight shared
+    with another module (a tied LM head shares the embedding table) gets its own packed copy, the
+    original stays dense."""
+    modules = [m for m in model.modules() if getattr(m, "packable_weight", False)
+               and not m.weight.is_mkldnn and not hasattr(m.weight, "panel_out_features")]
     kernels = cpu_kernels.ready()
+    compute = packed_compute_dtype(model_dtype)
     if model_dtype in (torch.float32, torch.bfloat16) and kernels is not None:
+        def ours(w: torch.Tensor) -> nn.Parameter:
+            return pack_panels(w, kernels)
+
+        forms: dict = {}
+        if gemm == "onednn" and compute is not None:
+            forms = {tuple(m.weight.shape): "onednn" for m in modules}
+        elif gemm == "auto" and compute == model_dtype and modules:  # oneDNN native in this dtype: worth timing
+            from pagedllm.layers.gemm_select import select_forms
+
+            forms = select_forms((tuple(m.weight.shape) for m in modules), model_dtype, gemm, cache_dir,
+                                 kernels.gemm_path(), ours, lambda w: pack_weight(w, model_dtype), linear)
+        elif gemm not in ("auto", "pagedllm", "onednn"):
+            raise ValueError(f"cpu_gemm must be 'auto', 'pagedllm' or 'onednn', got {gemm!r}")
 
         def pack(w: torch.Tensor) -> nn.Parameter:
-            return pack_panels(w, kernels)
+            return pack_weight(w, compute) if forms.get(tuple(w.shape)) == "onednn" else ours(w)
     else:
-        compute = packed_compute_dtype(model_dtype)
         if compute is None:
             return 0
         if compute != model_dtype:
@@ -132,10 +149,16 @@ def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype) -> int:
 
         def pack(w: torch.Tensor) -> nn.Parameter:
             return pack_weight(w, compute)
-    count = 0
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if getattr(module, "packable_weight", False) and not w.is_mkldnn and not hasattr(w, "panel_out_features"):
-            module.weight = pack(w)
-            count += 1
-    return count
+    for module in modules:
+        module.weight = pack(module.weight)
+    return len(modules)
+
+
+def gemm_forms(model: nn.Module) -> dict[str, int]:
+    """How many packable layers run each GEMM form ({"pagedllm": n, "onednn": m, "dense": d})."""
+    counts = {"pagedllm": 0, "onednn": 0, "dense": 0}
+    for m in model.modules():
+        if getattr(m, "packable_weight", False):
+            w = m.weight
+            counts["pagedllm" if hasattr(w, "panel_out_features") else "onednn" if w.is_mkldnn else "dense"] += 1
+    return counts

@@ -143,22 +143,24 @@ class Worker:
         self.model.eval()
         if self.device.type == "cpu":
             from pagedllm.kernels import cpu as cpu_kernels
-            from pagedllm.layers.cpu_gemm import pack_linear_weights
+            from pagedllm.layers.cpu_gemm import gemm_forms, pack_linear_weights
 
             # Built once per machine and cached on disk (`make` prebuilds them); the weights are
             # packed for their GEMM, and every layer takes what they support (for_tensor).
             if config.cpu_kernels:
                 cpu_kernels.load(config.kernel_cache_dir)
-            pack_linear_weights(self.model, self.dtype)
+            pack_linear_weights(self.model, self.dtype, config.cpu_gemm, config.kernel_cache_dir)
             prepare_quantized_layers(self.model)  # quantized weights in the quantized GEMM kernels' layout
             for module in [m for m in self.model.modules() if hasattr(m, "pack_for_cpu")]:
                 module.pack_for_cpu(self.dtype)  # MoE experts: each expert's projections
             keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS
-            self.cpu_description = cpu_kernels.describe()
+            self.cpu_description = dict(cpu_kernels.describe(), gemm_mode=config.cpu_gemm,
+                                        gemm_forms=gemm_forms(self.model))
             d = self.cpu_description
-            logger.info("CPU %s (%s), %d threads, %s: kernels %s (level %s, best for this CPU %s)", d["cpu_model"],
-                        " ".join(d["cpu_flags"]), torch.get_num_threads(), self.dtype, d["kernels"], d["isa"],
-                        d["isa_cpu_best"])
+            forms = ", ".join(f"{k} {v}" for k, v in d["gemm_forms"].items() if v)
+            logger.info("CPU %s (%s), %d threads, %s: kernels %s (level %s, best for this CPU %s); linear layers "
+                        "(cpu_gemm=%s): %s", d["cpu_model"], " ".join(d["cpu_flags"]), torch.get_num_threads(),
+                        self.dtype, d["kernels"], d["isa"], d["isa_cpu_best"], config.cpu_gemm, forms or "none")
         self.lora = None  # LoRA: the model's projections wrapped with adapter slots (after packing)
         if config.enable_lora:
             from pagedllm.lora.slots import LoRASlotManager
