@@ -4,6 +4,7 @@ Decode cases report achieved HBM bandwidth = bytes of K/V read / kernel time (H2
 ~4.8 TB/s); prefill cases report attention TFLOP/s. Needs CUDA; exits 0 with a message otherwise.
 
     python benchmarks/attention_kernel.py [--dtype bf16] [--block-size 16] [--quick]
+        [--kv-cache-dtype auto|int8|fp8_e4m3|fp8_e5m2]   (8-bit: bytes read include the bf16 scales)
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def build(seq_lens, q_lens, num_kv_heads, head_dim, block_size, dtype, device):
+def build(seq_lens, q_lens, num_kv_heads, head_dim, block_size, dtype, device, kv_cache_dtype="auto"):
     """Random cache + metadata. Blocks are handed out in a shuffled order (realistic paging)."""
     from pagedllm.attention.backend import AttentionMetadata
 
@@ -39,6 +40,11 @@ def build(seq_lens, q_lens, num_kv_heads, head_dim, block_size, dtype, device):
         pos = torch.arange(int(seq_lens[i]) - int(q_lens[i]), int(seq_lens[i]), device=device)
         slot_chunks.append(blks.long()[pos // block_size] * block_size + pos % block_size)
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=device).to(dtype)
+    if kv_cache_dtype != "auto":  # 8-bit values + one scale per (token, kv head), kv_quant.py's layout
+        from pagedllm.attention import kv_quant
+
+        q, scales = kv_quant.quantize(kv_cache, kv_quant.kv_quant(kv_cache_dtype))
+        kv_cache = (q, scales)
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     md = AttentionMetadata(
         num_actual_tokens=int(q_lens.sum()),
@@ -61,7 +67,10 @@ def bench_case(name, seq_lens, q_lens, args, num_splits=None, num_heads=32, num_
 
     device = torch.device("cuda")
     dtype = DTYPES[args.dtype]
-    kv_cache, md = build(seq_lens, q_lens, num_kv_heads, head_dim, args.block_size, dtype, device)
+    kv_cache, md = build(seq_lens, q_lens, num_kv_heads, head_dim, args.block_size, dtype, device, args.kv_cache_dtype)
+    kv_scales = None
+    if isinstance(kv_cache, tuple):
+        kv_cache, kv_scales = kv_cache
     n = md.num_actual_tokens
     query = torch.randn(n, num_heads, head_dim, device=device).to(dtype)
     out = torch.empty_like(query)
@@ -71,14 +80,14 @@ def bench_case(name, seq_lens, q_lens, args, num_splits=None, num_heads=32, num_
         unified_attention(
             query, kv_cache, out, md.query_start_loc, md.seq_lens, md.block_table,
             num_tokens=n, num_reqs=md.num_reqs, max_query_len=md.max_query_len,
-            max_seq_len=md.max_seq_len, scale=scale, num_splits=num_splits,
+            max_seq_len=md.max_seq_len, scale=scale, num_splits=num_splits, kv_scales=kv_scales,
         )
 
     fn()
     torch.cuda.synchronize()
     ms = triton.testing.do_bench(fn, warmup=25, rep=args.rep)
-    esize = torch.finfo(dtype).bits // 8
-    kv_bytes = int(np.sum(md.seq_lens_cpu)) * num_kv_heads * head_dim * 2 * esize
+    row_bytes = head_dim * kv_cache.element_size() + (0 if kv_scales is None else kv_scales.element_size())
+    kv_bytes = int(np.sum(md.seq_lens_cpu)) * num_kv_heads * 2 * row_bytes
     q_lens_np = np.asarray(q_lens)
     seq_np = np.asarray(seq_lens)
     ctx = seq_np - q_lens_np
@@ -104,6 +113,7 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--rep", type=int, default=100, help="ms of timed repetitions per case")
     p.add_argument("--quick", action="store_true", help="only the headline decode case")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
     args = p.parse_args()
 
     if not torch.cuda.is_available():
@@ -118,7 +128,8 @@ def main() -> int:
     torch.manual_seed(0)
     print(
         f"device={torch.cuda.get_device_name(0)} torch={torch.__version__} triton={triton.__version__} "
-        f"dtype={args.dtype} block_size={args.block_size} heads=32 kv_heads=8 head_dim=128"
+        f"dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} block_size={args.block_size} heads=32 kv_heads=8 "
+        "head_dim=128"
     )
     bench_case("decode 64 seqs x 4096", [4096] * 64, [1] * 64, args)
     if args.quick:

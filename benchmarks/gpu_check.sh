@@ -63,7 +63,7 @@ MODEL_PID=$!
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rfEs --durations=8)
 step triton_tests "$OUT/tests.log" 200 "${PYTEST[@]}" -n 8 tests/attention/test_triton_attn.py \
-    tests/attention/test_block_copy.py tests/lora/test_lora_triton.py tests/quantization/test_qgemm_triton.py
+    tests/attention/test_triton_kv8.py tests/attention/test_block_copy.py tests/lora/test_lora_triton.py tests/quantization/test_qgemm_triton.py
 step gpu_engine "$OUT/tests.log" 150 "${PYTEST[@]}" tests/engine/test_gpu_engine.py
 
 wait "$MODEL_PID"
@@ -79,6 +79,7 @@ if [ "$QUICK" -eq 1 ]; then
 else
     step attention_kernel "$OUT/bench.log" 120 "$PY" benchmarks/attention_kernel.py
 fi
+step attention_kernel_fp8 "$OUT/bench.log" 40 "$PY" benchmarks/attention_kernel.py --quick --kv-cache-dtype fp8_e4m3
 step broad_tests "$OUT/broad.log" 200 "${PYTEST[@]}" -n 8 --maxfail 10 --timeout 120 tests/engine/test_hf_identity.py \
     tests/engine/test_prefix_caching.py tests/engine/test_kv_cache_dtype.py tests/engine/test_sampling_behaviour.py \
     tests/spec_decode tests/lora
