@@ -13,6 +13,9 @@ name) to a scheme; ``ignore`` lists modules (same spelling) left dense. Per quan
   ``[1]`` / ``[N, G]``, optional ``weight_zero_point`` int8 of the scale's shape.
 - ``float-quantized`` (FP8 W8A8 / W8A16): ``weight`` float8_e4m3fn ``[N, K]``, ``weight_scale``
   ``[1]`` (tensor), ``[N, 1]`` (channel), ``[N, G]`` (group) or ``[ceil(N/bn), ceil(K/bk)]`` (block).
+- ``naive-quantized``: ``weight`` in the dtype of its type and bits (int8 or float8_e4m3fn), scales
+  as above. compressed-tensors 0.19 (llm-compressor 0.14) writes weight-only FP8 this way, keeping
+  ``int-quantized`` / ``float-quantized`` for schemes that also quantize activations.
 
 ``w = (q - z) * s``. ``input_activations``: None (weight only); dynamic ``token`` / ``tensor``
 (scales computed per step); static ``tensor`` with a stored ``input_scale`` (fused q/k/v or
@@ -53,8 +56,10 @@ def parse_scheme(group: dict, fmt: str, where: str) -> Scheme:
     fmt = group.get("format") or fmt
     if fmt not in FORMATS:
         raise ValueError(f"compressed-tensors format {fmt!r} ({where}) is not supported (supported: {', '.join(FORMATS)})")
-    kind = {"pack-quantized": "pack", "float-quantized": "float"}.get(fmt, "int")
     bits, wtype = int(w.get("num_bits", 8)), w.get("type", "int")
+    kind = {"pack-quantized": "pack", "float-quantized": "float"}.get(fmt, "int")
+    if fmt == "naive-quantized" and wtype == "float":
+        kind = "float"  # weight-only fp8: compressed-tensors keeps "float-quantized" for fp8 activations
     if (kind == "float") != (wtype == "float") or (kind == "float" and bits != 8) or bits not in (4, 8):
         raise ValueError(f"compressed-tensors {where}: {bits}-bit {wtype} weights in {fmt!r} are not supported "
                          "(supported: int4/int8 pack-quantized, int8 int-quantized, fp8 float-quantized)")
