@@ -329,6 +329,24 @@ def test_large_magnitudes():
         _compare(step)
 
 
+cuda_only = pytest.mark.skipif(not NATIVE, reason="needs CUDA (compiled kernels; too slow for the interpreter)")
+
+
+@cuda_only
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_large_mixed_and_long_split(name):
+    """Real shapes (8 kv heads x 4, head dim 128, bf16): a big mixed batch, and two long decodes for
+    which the heuristic picks split-KV."""
+    spec = kv_quant.kv_quant(name)
+    rng = np.random.default_rng(7)
+    reqs = [(int(rng.integers(1, 3000)), 1) for _ in range(24)] + [(2000, 512), (1500, 1500), (777, 300)]
+    kw = dict(block_size=16, num_kv_heads=8, qpk=4, head_dim=128, dtype=torch.bfloat16, spec=spec)
+    _compare(Step(reqs, seed=7, **kw))
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert triton_attn.choose_num_splits(2, 8, 1, 16384, sm) > 1
+    _compare(Step([(16384, 1), (9000, 1)], seed=8, **kw))
+
+
 # ------------------------------------------------------------------------------------------------
 # the model: Triton backend vs torch_native, and the CUDA-graph decode runner
 # ------------------------------------------------------------------------------------------------
