@@ -70,7 +70,9 @@ class ParamSpec:
     shard (per-tensor scales): ``"rows"`` fills that shard's rows of a ``[N]`` parameter,
     ``"index"`` stores it at the shard's index of a ``[num_shards]`` parameter; ``"ignore"``: read
     and dropped (compressed-tensors' ``weight_shape``). A tensor without an output axis loaded once
-    per fused shard (GPTQ's ``g_idx``) must be the same for every shard.
+    per fused shard (GPTQ's ``g_idx``) must be the same for every shard. ``out_expand``: each
+    checkpoint element along ``out_axis`` covers that many rows and is repeated per row at load
+    (block scales: a fused shard or a rank need not start or end on a block boundary).
     """
 
     name: str
@@ -81,6 +83,7 @@ class ParamSpec:
     in_axis: Optional[int] = None
     in_unit: int = 1
     per_shard: Optional[str] = None
+    out_expand: int = 1
 
 
 def _narrow(src, axis: int, start: int, length: int, full: int):
@@ -119,6 +122,8 @@ def make_loader(spec: ParamSpec, part: LinearPartition, layer_name: str):
                 raise ValueError(where(f"{value.numel()} scale values do not cover rows {start}..{start + size}"))
             return
         src, dest = loaded, param.data
+        if spec.out_expand > 1:
+            src = loaded = _full(loaded).repeat_interleave(spec.out_expand, dim=spec.out_axis)
         if spec.out_axis is not None:
             offset, size, start = part.out_slice(shard_id)
             u = spec.out_unit

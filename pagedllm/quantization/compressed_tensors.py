@@ -116,7 +116,8 @@ class CompressedTensorsMethod(QuantMethod):
         elif s.strategy == "block":
             g = s.block[1]
             if k % g:
-                raise ValueError(f"{layer_name}: fp8 block {s.block} does not divide the input features ({k})")
+                rank = f" of {part.in_full} on this tensor-parallel rank" if part.row_split else ""
+                raise ValueError(f"{layer_name}: fp8 block {s.block} does not divide the input features ({k}{rank})")
         else:
             g = part.in_full
         keep_all = s.g_idx and part.row_split
@@ -135,8 +136,7 @@ class CompressedTensorsMethod(QuantMethod):
         if s.strategy in ("tensor", "channel"):
             specs.append(ParamSpec("weight_scale", (n,), torch.float32, per_shard="rows"))
         elif s.strategy == "block":
-            bn = s.block[0]
-            specs.append(ParamSpec("weight_scale", (-(-n // bn), k // g), torch.float32, out_axis=0, out_unit=bn,
+            specs.append(ParamSpec("weight_scale", (n, k // g), torch.float32, out_axis=0, out_expand=s.block[0],
                                    in_axis=1, in_unit=g))
         else:
             specs.append(ParamSpec("weight_scale", (n, groups), torch.float32, out_axis=0, in_axis=in_axis, in_unit=g))
@@ -166,8 +166,6 @@ class CompressedTensorsMethod(QuantMethod):
         scales = layer.weight_scale.data
         if s.strategy in ("tensor", "channel"):
             scales = scales.reshape(n, 1)
-        elif s.strategy == "block":
-            scales = scales.repeat_interleave(s.block[0], dim=0)[:n]
         groups = scales.shape[1]
         group_size = k // groups
         if s.fmt == "float":

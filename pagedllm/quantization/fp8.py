@@ -47,7 +47,7 @@ class Fp8Method(QuantMethod):
             bn, bk = self.block
             if k % bk:
                 raise ValueError(f"{layer_name}: fp8 block {self.block} does not divide the input features ({k})")
-            specs.append(ParamSpec("weight_scale_inv", (-(-n // bn), k // bk), torch.float32, out_axis=0, out_unit=bn,
+            specs.append(ParamSpec("weight_scale_inv", (n, k // bk), torch.float32, out_axis=0, out_expand=bn,
                                    in_axis=1, in_unit=bk))
         else:
             specs.append(ParamSpec("weight_scale", (n,), torch.float32, per_shard="rows"))
@@ -60,7 +60,7 @@ class Fp8Method(QuantMethod):
         _, part = layer.quant_info
         n, k = part.out_features, part.in_features
         if self.block is not None:
-            scales = layer.weight_scale_inv.data.repeat_interleave(self.block[0], dim=0)[:n]
+            scales = layer.weight_scale_inv.data  # [N, K / bk]: block rows repeated at load
             act = "fp8_per_token"
         else:
             scales = layer.weight_scale.data.reshape(n, 1)
