@@ -56,7 +56,12 @@ import triton.language as tl
 
 from pagedllm.attention import kv_quant
 from pagedllm.attention.backend import AttentionMetadata
-from pagedllm.attention.triton_kv_quant import KV_PLAIN, kv_dequant_tile, kv_kind, reshape_and_cache_quant
+from pagedllm.attention.triton_kv_quant import (
+    KV_PLAIN,
+    kv_dequant_tile,
+    kv_kind,
+    reshape_and_cache_quant,
+)
 
 _LOG2E = 1.4426950408889634
 
@@ -386,7 +391,7 @@ def _reduce_splits_kernel(
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 

@@ -67,7 +67,7 @@ def _fp8_bits(y, MANT: tl.constexpr, BIAS: tl.constexpr, SUBNORMAL_INV: tl.const
     # a * 2**k is exact, so the compiler fusing it with _rint's addition (fma) changes nothing
     sub = _rint(a * SUBNORMAL_INV).to(tl.int32)
     code = tl.where(abits < ((128 - BIAS) << 23), sub, normal)
-    code = tl.where(y != y, 0x7F, code)
+    code = tl.where(abits > 0x7F800000, 0x7F, code)  # NaN
     return (sign << 7) | code
 
 

@@ -87,10 +87,10 @@ if not NATIVE and type(triton_attn._unified_attention_kernel).__name__ != "Inter
     pytest.skip("triton_attn was imported with compiled kernels earlier in this process; run this file on its own",
                 allow_module_level=True)
 
-from pagedllm.attention import kv_quant  # noqa: E402
-from pagedllm.attention.backend import AttentionMetadata  # noqa: E402
-from pagedllm.attention.torch_native import TorchNativeAttentionBackend  # noqa: E402
-from pagedllm.kernels import cpu as cpu_kernels  # noqa: E402
+from pagedllm.attention import kv_quant
+from pagedllm.attention.backend import AttentionMetadata
+from pagedllm.attention.torch_native import TorchNativeAttentionBackend
+from pagedllm.kernels import cpu as cpu_kernels
 
 DEVICE = torch.device("cuda" if NATIVE else "cpu")
 NAMES = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -340,7 +340,7 @@ def test_gpu_large_mixed_and_long_split(name):
     spec = kv_quant.kv_quant(name)
     rng = np.random.default_rng(7)
     reqs = [(int(rng.integers(1, 3000)), 1) for _ in range(24)] + [(2000, 512), (1500, 1500), (777, 300)]
-    kw = dict(block_size=16, num_kv_heads=8, qpk=4, head_dim=128, dtype=torch.bfloat16, spec=spec)
+    kw = {"block_size": 16, "num_kv_heads": 8, "qpk": 4, "head_dim": 128, "dtype": torch.bfloat16, "spec": spec}
     _compare(Step(reqs, seed=7, **kw))
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     assert triton_attn.choose_num_splits(2, 8, 1, 16384, sm) > 1
@@ -410,14 +410,14 @@ def test_model_forward_and_graph_runner(tmp_path):
     torch.testing.assert_close(out.cpu(), dec, atol=1e-4, rtol=1e-4)
     # padding rows (slot -1) wrote neither values nor scales; the real rows rewrote their own
     # slots with the same K/V up to float rounding (at most one quantization step apart)
-    flat = lambda t: t.cpu().reshape(2, t.shape[1], -1, *t.shape[4:])  # noqa: E731
+    flat = lambda t: t.cpu().reshape(2, t.shape[1], -1, *t.shape[4:])
     now_c, now_s, old_c, old_s = flat(worker.kv_cache), flat(worker.kv_scales), flat(cache), flat(scales)
     written = md.slot_mapping.cpu()
     untouched = torch.ones(now_c.shape[2], dtype=torch.bool)
     untouched[written] = False
     assert torch.equal(now_c[:, :, untouched].view(torch.uint8), old_c[:, :, untouched].view(torch.uint8))
     assert torch.equal(now_s[:, :, untouched], old_s[:, :, untouched])
-    deq = lambda c, s: kv_quant.dequantize(c[:, :, written], s[:, :, written], torch.float32)  # noqa: E731
+    deq = lambda c, s: kv_quant.dequantize(c[:, :, written], s[:, :, written], torch.float32)
     step = old_s[:, :, written].float().unsqueeze(-1) * 1.01 + 1e-6
     assert ((deq(now_c, now_s) - deq(old_c, old_s)).abs() <= step).all()
 
@@ -541,7 +541,7 @@ def test_compiles_for_sm90_without_gpu(tmp_path):
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.backends.nvidia import compiler as _nv  # noqa: F401
-    except Exception as e:  # pragma: no cover
+    except ImportError as e:  # pragma: no cover
         pytest.skip(f"triton NVIDIA backend unavailable: {e}")
     script = tmp_path / "aot.py"
     script.write_text(_AOT_SCRIPT)
@@ -550,5 +550,6 @@ def test_compiles_for_sm90_without_gpu(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
+                       check=False)
     assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
