@@ -258,7 +258,7 @@ def record_versions(tool: str, cmd: str) -> None:
             for block in f.read().split("\n=== ")[1:]:
                 head = block.split(" ", 1)[0]
                 sections[head] = "=== " + block.rstrip("\n") + "\n"
-    freeze = subprocess.run([sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True).stdout
+    freeze = subprocess.run([sys.executable, "-m", "pip", "freeze"], check=True, capture_output=True, text=True).stdout
     sections[tool] = (f"=== {tool} (Python {sys.version.split()[0]}, {', '.join(TOOLS[tool][0])})\n"
                       f"command, from the repository root: {cmd}\n\n{freeze}")
     with open(path, "w") as f:
