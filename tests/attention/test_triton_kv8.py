@@ -8,6 +8,8 @@
   fresh prefill, chunks on a cached prefix mixed in one batch, split-KV, sliding window, soft cap.
 - The model's forward with the Triton backend on an 8-bit cache equals the torch_native one, and
   the padded decode path of the CUDA-graph runner (scales bound as device tensors) equals eager.
+- The whole engine on the Triton backend (forced on CPU): greedy tokens and logprobs equal
+  torch_native's over the same 8-bit cache; preemption and recomputation exact.
 - Every new kernel variant compiles for sm_90 with the real Triton compiler (no GPU needed).
 
 Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, CPU tensors), as in
@@ -420,6 +422,59 @@ def test_model_forward_and_graph_runner(tmp_path):
     deq = lambda c, s: kv_quant.dequantize(c[:, :, written], s[:, :, written], torch.float32)
     step = old_s[:, :, written].float().unsqueeze(-1) * 1.01 + 1e-6
     assert ((deq(now_c, now_s) - deq(old_c, old_s)).abs() <= step).all()
+
+
+def _engine_outputs(monkeypatch, backend, path, prompts, params, **kw):
+    """LLM(...).generate with the worker's attention backend forced (the Triton one runs on CPU
+    tensors under the interpreter here)."""
+    from pagedllm import LLM
+    from pagedllm.worker import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "get_attention_backend", lambda device: backend)
+    llm = LLM(model=path, dtype="float32", cpu_kernels=False, **kw)
+    assert llm.engine.core.executor.worker.backend is backend
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return outs, llm.get_stats()
+
+
+@pytest.mark.skipif(NATIVE, reason="on CUDA tests/engine/test_kv_cache_dtype.py runs the engine on Triton")
+@pytest.mark.parametrize("name", ["int8", "fp8_e5m2"])
+def test_engine_on_triton_matches_torch_native(monkeypatch, llama_ckpt, name):
+    """The whole engine (worker binding, profiling, scheduler) with the Triton backend on an 8-bit
+    cache: the same greedy tokens and logprobs as torch_native's 8-bit cache."""
+    from pagedllm import SamplingParams
+    from prompts import random_prompts
+
+    prompts = random_prompts((20, 33, 7), seed=3)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
+    kw = {"kv_cache_dtype": name, "kv_cache_memory": 4 << 20}
+    ref, _ = _engine_outputs(monkeypatch, TorchNativeAttentionBackend, llama_ckpt, prompts, params, **kw)
+    got, _ = _engine_outputs(monkeypatch, triton_attn.TritonAttentionBackend, llama_ckpt, prompts, params, **kw)
+    for a, b in zip(ref, got):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            assert max(abs(la[t].logprob - lb[t].logprob) for t in la) < 1e-4
+
+
+@pytest.mark.skipif(NATIVE, reason="on CUDA tests/engine/test_kv_cache_dtype.py runs the engine on Triton")
+def test_engine_on_triton_preemption_exact(monkeypatch, llama_ckpt):
+    """Eight blocks of 16 for four sequences of 20 + 16 tokens: preempted and recomputed on the
+    Triton backend's int8 cache, the tokens equal an ample cache's."""
+    from pagedllm import SamplingParams
+    from pagedllm.worker.worker import KVCacheSpec
+    from prompts import random_prompts
+
+    prompts = random_prompts((20,) * 4, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # 36 tokens: a third block each
+    backend = triton_attn.TritonAttentionBackend
+    kw = {"kv_cache_dtype": "int8", "enable_prefix_caching": False}
+    ample, _ = _engine_outputs(monkeypatch, backend, llama_ckpt, prompts, params, kv_cache_memory=4 << 20, **kw)
+    tight_bytes = KVCacheSpec(2, 2, 16, 16, torch.float32, quant=kv_quant.kv_quant("int8")).bytes_per_block * 8
+    tight, stats = _engine_outputs(monkeypatch, backend, llama_ckpt, prompts, params, kv_cache_memory=tight_bytes,
+                                   max_model_len=64, **kw)
+    assert stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ample]
 
 
 # ------------------------------------------------------------------------------------------------
