@@ -442,8 +442,9 @@ def _engine_outputs(monkeypatch, backend, path, prompts, params, **kw):
 def test_engine_on_triton_matches_torch_native(monkeypatch, llama_ckpt, name):
     """The whole engine (worker binding, profiling, scheduler) with the Triton backend on an 8-bit
     cache: the same greedy tokens and logprobs as torch_native's 8-bit cache."""
-    from pagedllm import SamplingParams
     from prompts import random_prompts
+
+    from pagedllm import SamplingParams
 
     prompts = random_prompts((20, 33, 7), seed=3)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=5)
@@ -461,9 +462,10 @@ def test_engine_on_triton_matches_torch_native(monkeypatch, llama_ckpt, name):
 def test_engine_on_triton_preemption_exact(monkeypatch, llama_ckpt):
     """Eight blocks of 16 for four sequences of 20 + 16 tokens: preempted and recomputed on the
     Triton backend's int8 cache, the tokens equal an ample cache's."""
+    from prompts import random_prompts
+
     from pagedllm import SamplingParams
     from pagedllm.worker.worker import KVCacheSpec
-    from prompts import random_prompts
 
     prompts = random_prompts((20,) * 4, seed=11)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)  # 36 tokens: a third block each
