@@ -2,8 +2,8 @@
 
 The quantization tools do not install beside our pins (gptqmodel wants a newer torch and CUDA,
 llm-compressor an older transformers); tool_checkpoints/ holds a few checkpoints they made once in
-throwaway virtualenvs, and the options those do not cover (gptq_v2, compressed-tensors act-order
-``group``, Qwen2 biases, ...) come from here, each documented layout written from the format
+throwaway virtualenvs, and the options those do not cover (gptq_v2, Qwen2 biases, ...) come
+from here, each documented layout written from the format
 descriptions: GPTQ (AutoGPTQ / optimum ``QuantLinear``: qweight packed along K, qzeros minus one
 in the ``gptq`` checkpoint_format), AWQ (AutoAWQ ``WQLinear_GEMM``: packed along N in the
 0,2,4,6,1,3,5,7 order), compressed-tensors (``pack_to_int32``: signed codes + 2**(bits-1), packed

@@ -1,12 +1,14 @@
 """Checkpoints made by the real quantization tools (tests/quantization/tool_checkpoints/, made by
-make_tool_checkpoints.py with llm-compressor, gptqmodel and autoawq in throwaway virtualenvs;
+make_tool_checkpoints.py with llm-compressor (0.14 and 0.13), gptqmodel and autoawq in throwaway
+virtualenvs;
 VERSIONS.txt says with what): pagedllm detects the format from config.json, loads it, and
 
 - its unpacked weights equal the tool's own dequantization bit for bit: the sha256 that the tool's
   dequantizer gave at make time (in the dtype it returns, the checkpoint's bfloat16 / float16), and
   a float32 decoding of the same tensors (exact products): the installed compressed-tensors
-  decompressor on float32 scales, or, for GPTQ / AWQ, the formats' documented unpacking written
-  here (checked against the tool by the same sha256);
+  decompressor on float32 scales, or, for GPTQ / AWQ and compressed-tensors act-order "group"
+  (which compressed-tensors 0.20 no longer reads), the formats' documented unpacking written here
+  (checked against the tool by the same sha256);
 - greedy tokens equal HF transformers loading the same checkpoint (compressed-tensors: through the
   compressed-tensors package, which fake-quantizes activations as the scheme says for FP8); where
   transformers cannot load it on CPU (GPTQ / AWQ need gptqmodel, packed asymmetric zero points),
@@ -40,6 +42,8 @@ CASES = {
     "ct_w4a16_g32_gptq": (("int4", None), "hf", 0.9),
     # transformers 5.24 + compressed-tensors 0.20 do not load packed asymmetric zero points
     "ct_w4a16_asym_g64_gptq": (("int4", None), "dense", 0.9),
+    # llm-compressor 0.13's act-order "group": weight_g_idx, which compressed-tensors 0.20 no longer reads
+    "ct_w4a16_asym_g64_actorder_group": (("int4", None), "dense", 0.9),
     "ct_w8a16_gptq": (("int8", None), "hf", 0.9),
     # int8 activations: compressed-tensors' forward scales a row by absmax / 127.5 (clamp -128..127), pagedllm
     # (as vLLM) by absmax / 127 (clamp -127..127), which splits greedy runs early on this flat tiny model: the
@@ -119,6 +123,18 @@ def _awq_float32(path: str, qc: dict) -> dict:
     return out
 
 
+def _ct_pack_g_idx_float32(state: dict, bits: int) -> torch.Tensor:
+    """compressed-tensors pack-quantized with ``weight_g_idx`` (act-order "group"), which the
+    installed decompressor ignores: codes ``q + 2**(bits-1)`` packed along K, zero points the same
+    way along N, ``w[n, k] = (q[n, k] - z[n, g_idx[k]]) * scale[n, g_idx[k]]``."""
+    n, k = state["weight_shape"].tolist()
+    codes = _unpack(state["weight_packed"], bits, 1)[:, :k]
+    zeros = _unpack(state["weight_zero_point"], bits, 0)[:n] if "weight_zero_point" in state else 2 ** (bits - 1)
+    g = state["weight_g_idx"].long()
+    zeros = zeros[:, g] if torch.is_tensor(zeros) else zeros
+    return (codes - zeros).float() * state["weight_scale"].float()[:, g]
+
+
 def _dequantized_float32(path: str) -> dict:
     """{module: float32 weight}: the products of codes and scales, exact. compressed-tensors: the
     installed decompressor on the checkpoint's tensors with the scales widened to float32."""
@@ -128,6 +144,11 @@ def _dequantized_float32(path: str) -> dict:
         return _gptq_float32(path, qc)
     if qc["quant_method"] == "awq":
         return _awq_float32(path, qc)
+    if qc["config_groups"]["group_0"]["weights"].get("actorder") == "group":  # 0.20 refuses to parse it
+        tensors = load_file(os.path.join(path, "model.safetensors"))
+        bits = qc["config_groups"]["group_0"]["weights"]["num_bits"]
+        return {m: _ct_pack_g_idx_float32({k[len(m) + 1:]: v for k, v in tensors.items() if k.startswith(m + ".")},
+                                          bits) for m in _reference(path)}
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
 

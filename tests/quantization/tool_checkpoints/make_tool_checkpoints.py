@@ -9,6 +9,10 @@ has the exact versions and commands of the last run of each):
     /tmp/qtools-venv/bin/pip install llmcompressor==0.14.0.1
     /tmp/qtools-venv/bin/python tests/quantization/tool_checkpoints/make_tool_checkpoints.py llmcompressor
 
+    # the same with llmcompressor==0.13.0 (compressed-tensors 0.18, transformers 5.14.1) in
+    # /tmp/lc-old-venv, the last release that writes act-order "group" (weight_g_idx)
+    /tmp/lc-old-venv/bin/python tests/quantization/tool_checkpoints/make_tool_checkpoints.py llmcompressor-0.13
+
     # gptqmodel 7.0.0 is the newest that installs beside torch 2.13 (7.7 wants torch >= 2.14.1);
     # it needs transformers <= 5.8 (5.24 dropped transformers.utils.hub.create_repo) and requests
     echo 'torch==2.13.0+cpu' > /tmp/torchpin.txt
@@ -88,6 +92,9 @@ def _llmcompressor_recipe(name: str):
     if name == "ct_w4a16_asym_g64_gptq":  # GPTQ, asymmetric int4, group 64, act-order "weight" (0.14 has no
         # "group" act-order any more, so no weight_g_idx: the columns are only visited in activation order)
         return GPTQModifier(config_groups=groups(_ct_weights(4, group_size=64, symmetric=False, actorder="weight")),
+                            ignore=["lm_head"])
+    if name == "ct_w4a16_asym_g64_actorder_group":  # llm-compressor 0.13 only: act-order "group", weight_g_idx
+        return GPTQModifier(config_groups=groups(_ct_weights(4, group_size=64, symmetric=False, actorder="group")),
                             ignore=["lm_head"])
     if name == "ct_w8a16_gptq":  # the W8A16 preset: int8, group 128
         return GPTQModifier(scheme="W8A16", targets=["Linear"], ignore=["lm_head"])
@@ -222,6 +229,9 @@ TOOLS = {  # tool: (checkpoints, dense dtype, make, dequantize)
     "llmcompressor": (("ct_w4a16_g32_gptq", "ct_w4a16_asym_g64_gptq", "ct_w8a16_gptq", "ct_w8a8_int",
                        "ct_fp8_dynamic", "ct_fp8_static", "ct_fp8_block_w8a16", "ct_awq_w4a16_asym"),
                       torch.bfloat16, make_llmcompressor, dequant_llmcompressor),
+    # llm-compressor 0.13.0 / compressed-tensors 0.18.0: the last that writes act-order "group"
+    "llmcompressor-0.13": (("ct_w4a16_asym_g64_actorder_group",), torch.bfloat16, make_llmcompressor,
+                           dequant_llmcompressor),
     "gptqmodel": (tuple(GPTQ), torch.float16, make_gptqmodel, dequant_gptqmodel),
     "autoawq": (tuple(AWQ), torch.float16, make_autoawq, dequant_autoawq),
 }
@@ -242,6 +252,7 @@ def make(tool: str, name: str, dense: str) -> None:
                "sum": float(w.double().sum())} for m, w in sorted(dequantize(out).items())}
     with open(os.path.join(out, "reference.json"), "w") as f:
         json.dump({"tool": tool, "dequantized_by": {"llmcompressor": "compressed_tensors decompress",
+                                                    "llmcompressor-0.13": "compressed_tensors decompress",
                                                     "gptqmodel": "gptqmodel TorchQuantLinear.dequantize_weight",
                                                     "autoawq": "awq.utils.packing_utils.dequantize_gemm"}[tool],
                    "modules": ref}, f, indent=1, sort_keys=True)
