@@ -11,12 +11,20 @@ beside a copy of its weights so both servers and the client tokenize text the sa
     python benchmarks/serve_vs_vllm.py --vllm-python /work/vllm-env/bin/python --model llama-tiny \\
         --request-rate 8 --num-prompts 64
     python benchmarks/serve_vs_vllm.py --vllm-python ... --request-rate inf --num-prompts 256 --engines pagedllm
+
+``--variant NAME="--max-num-seqs 128"`` adds a pagedllm server with those extra flags (leading
+``VAR=value`` words go to its environment) under NAME
+(name it in ``--engines``, e.g. ``--engines pagedllm,NAME,vllm``): settings compared back to back
+in one run. After each run the server's /metrics give the engine steps it ran and the tokens per
+step (pagedllm: steps and their total seconds; vLLM: its iteration-tokens histogram).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -85,10 +93,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 
 
 def start_server(engine: str, model: str, port: int, args, log) -> subprocess.Popen:
-    if engine == "pagedllm":
+    if engine != "vllm":  # pagedllm or one of its --variant names
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port),
                "--dtype", args.dtype, "--kv-cache-memory", "4GiB", "--log-level", "warning"]
+        extra = shlex.split(args.variants.get(engine, ""))
         env = dict(os.environ)
+        while extra and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", extra[0]):  # leading VAR=value: the server's environment
+            key, value = extra.pop(0).split("=", 1)
+            env[key] = value
+        cmd += extra
     else:
         cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
                "--dtype", args.dtype]
@@ -105,6 +118,31 @@ def stop(proc: subprocess.Popen) -> None:
         pass
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def server_counters(url: str) -> dict:
+    """Engine steps and tokens per step from the server's Prometheus text (pagedllm's step counter
+    and step-time histogram, vLLM's iteration-tokens histogram); {} if it has none of them."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+
+    def total(name: str) -> float:
+        return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
+
+    out = {}
+    if "pagedllm:engine_steps_total" in text:
+        steps = total("pagedllm:engine_steps_total")
+        secs = total("pagedllm:engine_step_seconds_sum")
+        toks = total("pagedllm:prompt_tokens_total") + total("pagedllm:generation_tokens_total")
+        out = {"steps": int(steps), "step_s": round(secs, 2), "mean_step_ms": round(1e3 * secs / max(steps, 1), 2),
+               "tokens_per_step": round(toks / max(steps, 1), 1)}
+    elif "vllm:iteration_tokens_total_count" in text:
+        steps = total("vllm:iteration_tokens_total_count")
+        out = {"steps": int(steps), "tokens_per_step": round(total("vllm:iteration_tokens_total_sum") / max(steps, 1), 1)}
+    return out
 
 
 def run_client(args, model: str, port: int, result_dir: str) -> dict:
@@ -133,8 +171,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ready-timeout", type=float, default=600)
     ap.add_argument("--client-timeout", type=float, default=1800)
+    ap.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
+                    help="a pagedllm server with extra flags, run under NAME when --engines names it")
     ap.add_argument("--out", default="benchmarks/results/serve_vs_vllm.json")
     args = ap.parse_args()
+    args.variants = dict(v.split("=", 1) for v in args.variant)
 
     model = model_with_text_tokenizer(args.model)
     rows = []
@@ -146,6 +187,7 @@ def main() -> None:
                 ready = wait_ready(f"http://127.0.0.1:{port}", proc, args.ready_timeout)
                 load_before = os.getloadavg()[0]
                 r = run_client(args, model, port, d)
+                counters = server_counters(f"http://127.0.0.1:{port}")
             except Exception:
                 log.seek(0)
                 print(log.read()[-3000:], file=sys.stderr)
@@ -154,12 +196,15 @@ def main() -> None:
                 stop(proc)
         row = {"engine": engine, "ready_s": round(ready, 1), "load_avg_before": round(load_before, 2)}
         row.update({k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k) for k in METRICS})
+        row.update(counters)
+        row["load_avg_after"] = round(os.getloadavg()[0], 2)
         rows.append(row)
         print(f"{engine}: {row}", flush=True)
     print(f"\nmodel={args.model} dtype={args.dtype} input={args.input_len} output={args.output_len} "
           f"prompts={args.num_prompts} rate={args.request_rate}")
     print_table(rows, ["engine", "completed", "total_token_throughput", "median_ttft_ms", "p99_ttft_ms",
-                       "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms"])
+                       "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "steps", "tokens_per_step",
+                       "mean_step_ms", "load_avg_before", "load_avg_after"])
     write_json(args.out, {"args": vars(args), "results": rows, "argv": sys.argv})
 
 
