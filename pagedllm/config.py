@@ -256,30 +256,13 @@ def _cuda_device_present() -> bool:
                                                   and os.listdir("/proc/driver/nvidia/gpus"))
 
 
-def runs_on_cpu(device: Optional[str]) -> bool:
-    """Whether an engine with this ``device`` setting runs on CPU: "cpu", or "auto" on a host without a GPU."""
-    device = device or "auto"
-    return device == "cpu" or (device == "auto" and not _cuda_device_present())
-
-
 def serve_default_max_num_seqs(device: Optional[str]) -> int:
     """max_num_seqs of the OpenAI server when the flag is not given: CPU_SERVE_MAX_NUM_SEQS where
-    the engine runs on CPU, else EngineConfig's."""
-    return CPU_SERVE_MAX_NUM_SEQS if runs_on_cpu(device) else EngineConfig.__dataclass_fields__["max_num_seqs"].default
-
-
-def serve_omp_environment(device: Optional[str]) -> dict[str, str]:
-    """Environment `pagedllm serve` sets before torch (and its OpenMP runtime) loads: on CPU, unless
-    the user chose (envs.omp_wait_policy_set), OMP_WAIT_POLICY=PASSIVE. A server's OpenMP threads
-    share the cores with its own HTTP/event-loop thread and with other processes (clients, other
-    replicas); libgomp's default spins an idle thread for ~300k iterations, so a thread waiting at a
-    barrier for one that was descheduled burns the time that thread needs, and every parallel
-    region can wait out a scheduler slice. Measured on 2 shared cores (load 6, docs/benchmarks.md,
-    issue 15 serving at saturation): saturation throughput 2.6x, TPOT 2.5x lower; offline llama-100m
-    float32 16 requests 60-102 s spinning vs 11-16 s passive. OMP_WAIT_POLICY=ACTIVE restores spinning."""
-    if not runs_on_cpu(device) or envs.omp_wait_policy_set():
-        return {}
-    return {"OMP_WAIT_POLICY": "PASSIVE"}
+    the engine runs on CPU (device "cpu", or "auto" on a host without a GPU), else EngineConfig's."""
+    default = EngineConfig.__dataclass_fields__["max_num_seqs"].default
+    device = device or "auto"
+    on_cpu = device == "cpu" or (device == "auto" and not _cuda_device_present())
+    return CPU_SERVE_MAX_NUM_SEQS if on_cpu else default
 
 
 def resolve_max_waiting_requests(config: EngineConfig) -> int:

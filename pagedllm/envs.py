@@ -16,7 +16,6 @@ API key, which operators prefer to keep out of process listings.
 | CXX                               | the CPU kernels' compiler (c++)     |
 | LOCAL_WORLD_SIZE (set by torchrun) | ranks sharing this host's memory    |
 | CUDA_VISIBLE_DEVICES              | GPUs split across data-parallel replicas |
-| OMP_WAIT_POLICY, GOMP_SPINCOUNT   | OpenMP's idle threads; when neither is set, ``pagedllm serve`` on CPU sets OMP_WAIT_POLICY=PASSIVE |
 """
 from __future__ import annotations
 
@@ -64,11 +63,6 @@ def cpu_threads_bind() -> Optional[str]:
 
 def cpu_gemm() -> str:
     return _get("PAGEDLLM_CPU_GEMM") or "auto"
-
-
-def omp_wait_policy_set() -> bool:
-    """Whether the user chose how OpenMP's idle threads wait (OMP_WAIT_POLICY or GOMP_SPINCOUNT)."""
-    return _get("OMP_WAIT_POLICY") is not None or _get("GOMP_SPINCOUNT") is not None
 
 
 def api_key() -> Optional[str]:

@@ -94,19 +94,3 @@ def test_serve_default_batch_follows_the_device(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible to this process
     assert config.serve_default_max_num_seqs("auto") == config.CPU_SERVE_MAX_NUM_SEQS
-
-
-def test_serve_omp_wait_policy_is_passive_on_cpu_unless_chosen(monkeypatch):
-    """`pagedllm serve` on CPU lets idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE) unless the
-    user chose a wait policy or spin count; nothing on a GPU."""
-    from pagedllm.config import serve_omp_environment
-
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert serve_omp_environment("cpu") == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert serve_omp_environment("cuda") == {}
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert serve_omp_environment("cpu") == {}
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
-    assert serve_omp_environment("cpu") == {}

@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig, default_model_path, serve_default_max_num_seqs, serve_omp_environment
+from pagedllm.config import EngineConfig, default_model_path, serve_default_max_num_seqs
 
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
@@ -296,8 +296,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.served_model_name = os.path.basename(default_model_path())
         if args.max_num_seqs is None:  # on CPU a smaller running batch (config.CPU_SERVE_MAX_NUM_SEQS)
             args.max_num_seqs = serve_default_max_num_seqs(args.device)
-        if "torch" not in sys.modules:  # OpenMP reads it once, when torch loads (replicas and ranks inherit it)
-            os.environ.update(serve_omp_environment(args.device))
         config = engine_config_from_args(args)
         if args.data_parallel_size != 1:
             if args.data_parallel_size < 1:
