@@ -34,7 +34,7 @@ class PackedQuantizedWeight:
     kind: str
     packed: torch.Tensor
     scales: torch.Tensor  # [P, G, 16] float32 (fp8: 256 s)
-    zeros: Optional[torch.Tensor]  # [P, G, 16] float32 (fp8: z / 256; symmetric int4: 8), None when all 0
+    zeros: Optional[torch.Tensor]  # [P, G, 16] float32 (fp8: z / 256), None when all 0 (int4: all 8)
     group_size: int
     in_features: int
     out_features: int
@@ -102,8 +102,8 @@ def pack(qw: QuantizedWeight, kernels) -> PackedQuantizedWeight:
     """``qw`` in the kernels' layout (see the module docstring); call :func:`supports` first."""
     n, k = qw.out_features, qw.in_features
     zeros = qw.zeros
-    if zeros is None and qw.kind == "int4":
-        zeros = torch.full_like(qw.scales, 8.0)
+    if qw.kind == "int4" and zeros is not None and bool((zeros == 8.0).all()):
+        zeros = None  # the kernels' int4 default: no zero points streamed
     scales = qw.scales
     colsum = None
     if qw.act_quant == "int8_per_token":

@@ -57,3 +57,40 @@ def test_decode_row_matches_the_same_row_in_a_batch(kernels):
         row = qgemm.quantized_linear(x[i:i + 1], pw).float()
         torch.testing.assert_close(row[0], batch[i], rtol=2.0**-7, atol=1e-3)
     assert_close(qgemm.quantized_linear(x[:1], pw), x[:1], qw, None)
+
+
+@pytest.mark.parametrize("kind,group,asym", [("int4", 128, False), ("int4", 20, True), ("int4", 24, False),
+                                             ("int8", -1, False), ("fp8", 40, True)])
+def test_decode_panel_ranges_on_two_threads(kernels, kind, group, asym):
+    # one row of x (decode) on two threads: int4 runs each thread over ranges of consecutive
+    # panels (many panels: the ranges shrink towards the end), a short last panel, groups with
+    # tails of 2 and 4 k pairs after the 8-pair steps; int8 / fp8 on their 4-panel tasks
+    n, k = 16 * 75 + 7, 1920
+    qw = random_qweight(kind, n, k, group, asym, seed=11)
+    pw = packed_qweight.pack(qw, kernels)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = random_input(1, k, dtype, seed=5)
+            bias = torch.randn(n)
+            assert_close(qgemm.quantized_linear(x, pw, bias), x, qw, bias)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_symmetric_int4_streams_no_zero_points(kernels):
+    # int4 zero points of 8 everywhere (GPTQ / AWQ symmetric) are the kernels' default: packed
+    # without them (fewer bytes per decode step), the same product and dequantization
+    qw = random_qweight("int4", 40, 256, 64, asym=False, seed=2)
+    explicit = type(qw)(qw.kind, qw.qweight, qw.scales, torch.full_like(qw.scales, 8.0), qw.group_size,
+                        qw.in_features, qw.input_perm, qw.act_quant)
+    for w in (qw, explicit):
+        pw = packed_qweight.pack(w, kernels)
+        assert pw.zeros is None
+        assert torch.equal(pw.dequantize(), qw.dequantize())
+        for m in (1, 3, 9):
+            x = random_input(m, 256, torch.bfloat16, seed=m)
+            assert_close(qgemm.quantized_linear(x, pw), x, qw, None)
+    asym = random_qweight("int4", 40, 256, 64, asym=True, seed=2)
+    assert packed_qweight.pack(asym, kernels).zeros is not None

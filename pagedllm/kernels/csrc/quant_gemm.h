@@ -11,8 +11,9 @@
 //
 // so each k (int4: k pair) of a panel is one 16-byte line and a panel streams front to back.
 // Scales and zero points are panel-major float32 [ceil(N/16), G, 16]: sc = s, zp = z (fp8: 256 s
-// and z / 256, since the fp8 codes are widened through fp16 bits as value / 256; zp absent when
-// all zero points are 0).
+// and z / 256, since the fp8 codes are widened through fp16 bits as value / 256). zp is absent
+// when every zero point is the kind's default (Weights::zc): 0 for int8 / fp8, 8 for int4 (the
+// symmetric GPTQ / AWQ codes), so symmetric int4 streams no zero points.
 //
 // Per weight group the microkernel sums the products of x and the raw codes, part = x . q, and
 // then applies the group once: acc += sc (part - zp xsum), with xsum the group's sum of x. A
@@ -24,13 +25,16 @@
 // scalar loops. With AVX512-BF16 and bf16 x, batches (M > kR) widen each chunk of codes once into
 // exact bf16 pairs for vdpbf16ps (run_blocked), and on CPUs that also have AVX512-VBMI (checked at
 // run time) int4 codes become bf16 pairs in 2.25 instructions per 16-byte line, which a single
-// bf16 row (decode) multiplies directly (micro1_int4_dp). Work is handed out as groups of NP panels, every row of x per group, dynamically
-// over OpenMP threads as the dense packed GEMM does.
+// bf16 row (decode) multiplies directly, panel by panel (panel1_int4_dp), each thread over ranges
+// of consecutive panels that it reads as one sequential stream (for_panel_ranges). Otherwise
+// work is handed out as groups of NP panels, every row of x per group, dynamically over OpenMP
+// threads as the dense packed GEMM does.
 #pragma once
 
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <type_traits>
@@ -65,8 +69,9 @@ struct Weights {  // one prepared weight (see the top of the file)
   int kind;
   const uint8_t* packed;
   const float* sc;  // [P, G, 16]
-  const float* zp;  // [P, G, 16] zero points (fp8: z / 256) or null
+  const float* zp;  // [P, G, 16] zero points (fp8: z / 256) or null: then zc for every group
   int64_t N, K, gs, G;
+  float zc;  // the zero point without zp: 8 for int4 (codes 0..15 around 8), else 0
   int64_t panel_bytes() const { return (kind == kInt4 ? K / 2 : K) * kPanel; }
   // K is summed in chunks: the groups, cut into pieces of at most kChunk (one group per chunk,
   // each chunk's sum scaled by its group's scale); xs holds x's sum per row and chunk.
@@ -81,7 +86,6 @@ constexpr int kR = 4;   // rows of x per microkernel call (2 x kR x kNP accumula
 constexpr int kNP = 2;  // panels per call
 constexpr int kNP1 = 4; // panels per call when x has one row
 constexpr int64_t kAhead = 64;  // k (int4: k pairs) a streamed panel is prefetched ahead: 1 KB
-constexpr int64_t kAhead1 = 128;  // int4 pair lines micro1_int4_dp prefetches ahead: 2 KB (measured: 1 KB and 4 KB slower)
 
 inline __m512 codes_i8(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -93,6 +97,36 @@ inline __m512 codes_fp8(const uint8_t* p) {
   const __m256i s = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(s, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
 }
+
+// fn(p0, p1) over ranges of consecutive panels [0, panels) on the OpenMP threads: each thread
+// takes the next range while any is left, of a quarter of what is left per thread (whole
+// weights split evenly while the threads keep pace, small ranges at the end), at most kRangeBytes
+// of weight (a thread woken late, or descheduled on a busy machine, holds back at most that
+// much), at least one panel. A range is read as one sequential stream by the one-row kernels.
+constexpr int64_t kRangeBytes = 512 << 10;
+template <typename Fn>
+void for_panel_ranges(int64_t panels, int64_t panel_bytes, const Fn& fn) {
+  const int64_t cap = std::max<int64_t>(1, kRangeBytes / std::max<int64_t>(1, panel_bytes));
+  std::atomic<int64_t> next{0};
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads();
+    int64_t p0 = next.load(std::memory_order_relaxed), take = 0;
+    for (;;) {
+      do {
+        take = std::clamp<int64_t>((panels - p0) / (4 * nt), 1, cap);
+      } while (p0 < panels && !next.compare_exchange_weak(p0, p0 + take, std::memory_order_relaxed));
+      if (p0 >= panels) break;
+      fn(p0, std::min(panels, p0 + take));
+      p0 = next.load(std::memory_order_relaxed);
+    }
+  }
+}
+
+#ifndef PAGEDLLM_QGEMM_AHEAD1
+#define PAGEDLLM_QGEMM_AHEAD1 4096
+#endif
+constexpr int64_t kAheadBytes1 = PAGEDLLM_QGEMM_AHEAD1;  // how far panel1_int4_dp prefetches
 
 // y[i, 0:cols] = tile rows i < R of x (row stride ldx, float32, K) times NP panels of w, group
 // by group, + bias; out float32 or bf16 (row stride ldy).
@@ -152,8 +186,8 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
     }
 #pragma GCC unroll 4
     for (int j = 0; j < NP; ++j) {
-      if (zp != nullptr) {
-        const __m512 z = _mm512_loadu_ps(zp + (j * G + g) * kPanel);
+      if (zp != nullptr || w.zc != 0.0f) {
+        const __m512 z = zp != nullptr ? _mm512_loadu_ps(zp + (j * G + g) * kPanel) : _mm512_set1_ps(w.zc);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) part[i][j] = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[i * C + c]), part[i][j]);
       }
@@ -305,20 +339,26 @@ void widen_chunk(const Weights& w, int64_t p, int64_t np, int64_t k0, int64_t k1
 }
 
 #ifdef PAGEDLLM_AVX512_BF16
-// One row of bf16 x (as int32 bf16 pairs xb) times NP int4 panels, on CPUs with AVX512-VBMI: the
-// codes made bf16 pairs as in int4_pairs4 (2.25 instructions per 16-byte line) and multiplied with
-// one vdpbf16ps per line, instead of widening to float32 and two FMAs per line (8 instructions):
-// a decode step is then bound by reading the weights, not by the core. Two accumulators per panel
-// (even and odd lines) keep the vdpbf16ps chains apart. The products are the same as the float32
-// path's (exact: bf16 x times codes of at most 4 bits), the sums in float32.
-template <int NP, typename O>
-__attribute__((target("avx512vbmi"))) void micro1_int4_dp(const Weights& w, int64_t p, const int32_t* xb,
+// One panel of int4 codes times one row of bf16 x (int32 bf16 pairs xb), on CPUs with
+// AVX512-VBMI: the pairs made as in int4_pairs4 and multiplied with vdpbf16ps. The panel's bytes
+// are read front to back as one stream (8 lines per step, 8 accumulators for the vdpbf16ps
+// chains), prefetched kAheadBytes1 ahead: consecutive panels are contiguous, so a thread that
+// runs a range of panels reads one sequential stream, which the hardware prefetchers follow
+// across panel ends. Without zero points (int4 symmetric around 8: w.zc) the table gives
+// bf16(code - 8) instead of bf16(code), so no group needs the x-sum correction (and no zero points
+// are read). The products are exact (bf16 x times integers of at most 4 bits), the sums float32.
+template <typename O>
+__attribute__((target("avx512vbmi"))) void panel1_int4_dp(const Weights& w, int64_t p, const int32_t* xb,
                                                           const float* xs, O* y, const float* bias, int64_t cols) {
   static const Int4PairIdx ix;
-  const __m512i table = _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0,
-                                         0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160,
-                                         0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
-                                         0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  // vpermw reads 5 index bits: bit 4 is the other nibble's low bit, so each table is there twice
+  const __m512i table = w.zp != nullptr
+      ? _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                         0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                         0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000)
+      : _mm512_set_epi16(0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040,
+                         0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+                         0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100);
   const __m512i i0 = _mm512_load_si512(ix.idx[0]), i1 = _mm512_load_si512(ix.idx[1]);
   const __m512i i2 = _mm512_load_si512(ix.idx[2]), i3 = _mm512_load_si512(ix.idx[3]);
   constexpr __mmask64 even = 0x5555555555555555ULL;
@@ -326,62 +366,66 @@ __attribute__((target("avx512vbmi"))) void micro1_int4_dp(const Weights& w, int6
   const uint8_t* base = w.packed + p * pb;
   const float* sc = w.sc + p * G * kPanel;
   const float* zp = w.zp != nullptr ? w.zp + p * G * kPanel : nullptr;
-  __m512 acc[NP];
-#pragma GCC unroll 4
-  for (int j = 0; j < NP; ++j) acc[j] = _mm512_setzero_ps();
+#define pairs(v, s, idx) (__m512bh) _mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, idx, s), table)
+#define bx(q) (__m512bh) _mm512_set1_epi32(xb[q])
+  __m512 acc = _mm512_setzero_ps();
   for (int64_t c = 0; c < C; ++c) {
     const int64_t q0 = w.chunk_begin(c) / 2, q1 = w.chunk_end(c) / 2, g = c / w.chunks_per_group();
-    __m512 e[NP], o[NP];
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) e[j] = o[j] = _mm512_setzero_ps();
+    __m512 a[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) a[r] = _mm512_setzero_ps();
     int64_t q = q0;
-    for (; q + 4 <= q1; q += 4) {
-      const __m512bh a0 = (__m512bh)_mm512_set1_epi32(xb[q]), a1 = (__m512bh)_mm512_set1_epi32(xb[q + 1]);
-      const __m512bh a2 = (__m512bh)_mm512_set1_epi32(xb[q + 2]), a3 = (__m512bh)_mm512_set1_epi32(xb[q + 3]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) {
-        const uint8_t* line = base + j * pb + q * kPanel;
-        _mm_prefetch(reinterpret_cast<const char*>(line + kAhead1 * kPanel), _MM_HINT_T0);
-        const __m512i v = _mm512_loadu_si512(line), s = _mm512_srli_epi16(v, 4);
-        e[j] = _mm512_dpbf16_ps(e[j], a0, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i0, s), table));
-        o[j] = _mm512_dpbf16_ps(o[j], a1, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i1, s), table));
-        e[j] = _mm512_dpbf16_ps(e[j], a2, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i2, s), table));
-        o[j] = _mm512_dpbf16_ps(o[j], a3, (__m512bh)_mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, i3, s), table));
-      }
+    for (; q + 8 <= q1; q += 8) {
+      const uint8_t* line = base + q * kPanel;
+      _mm_prefetch(reinterpret_cast<const char*>(line + kAheadBytes1), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(line + 64 + kAheadBytes1), _MM_HINT_T0);
+      const __m512i v0 = _mm512_loadu_si512(line), s0 = _mm512_srli_epi16(v0, 4);
+      const __m512i v1 = _mm512_loadu_si512(line + 64), s1 = _mm512_srli_epi16(v1, 4);
+      a[0] = _mm512_dpbf16_ps(a[0], pairs(v0, s0, i0), bx(q));
+      a[1] = _mm512_dpbf16_ps(a[1], pairs(v0, s0, i1), bx(q + 1));
+      a[2] = _mm512_dpbf16_ps(a[2], pairs(v0, s0, i2), bx(q + 2));
+      a[3] = _mm512_dpbf16_ps(a[3], pairs(v0, s0, i3), bx(q + 3));
+      a[4] = _mm512_dpbf16_ps(a[4], pairs(v1, s1, i0), bx(q + 4));
+      a[5] = _mm512_dpbf16_ps(a[5], pairs(v1, s1, i1), bx(q + 5));
+      a[6] = _mm512_dpbf16_ps(a[6], pairs(v1, s1, i2), bx(q + 6));
+      a[7] = _mm512_dpbf16_ps(a[7], pairs(v1, s1, i3), bx(q + 7));
     }
-    for (; q < q1; ++q) {  // a group of fewer than 4 pairs left
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(xb[q]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) e[j] = _mm512_dpbf16_ps(e[j], a, (__m512bh)bf16_pairs<kInt4>(base + j * pb, q));
+    if (q + 4 <= q1) {
+      const __m512i v0 = _mm512_loadu_si512(base + q * kPanel), s0 = _mm512_srli_epi16(v0, 4);
+      a[0] = _mm512_dpbf16_ps(a[0], pairs(v0, s0, i0), bx(q));
+      a[1] = _mm512_dpbf16_ps(a[1], pairs(v0, s0, i1), bx(q + 1));
+      a[2] = _mm512_dpbf16_ps(a[2], pairs(v0, s0, i2), bx(q + 2));
+      a[3] = _mm512_dpbf16_ps(a[3], pairs(v0, s0, i3), bx(q + 3));
+      q += 4;
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) {
-      __m512 t = _mm512_add_ps(e[j], o[j]);
-      if (zp != nullptr) t = _mm512_fnmadd_ps(_mm512_loadu_ps(zp + (j * G + g) * kPanel), _mm512_set1_ps(xs[c]), t);
-      acc[j] = _mm512_fmadd_ps(t, _mm512_loadu_ps(sc + (j * G + g) * kPanel), acc[j]);
+    for (; q < q1; ++q) {  // a group of fewer than 4 pairs left: one line as in bf16_pairs
+      const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base + q * kPanel)));
+      a[4] = _mm512_dpbf16_ps(a[4], (__m512bh)_mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), table), bx(q));
     }
+    __m512 t = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                             _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
+    if (zp != nullptr) t = _mm512_fnmadd_ps(_mm512_loadu_ps(zp + g * kPanel), _mm512_set1_ps(xs[c]), t);
+    acc = _mm512_fmadd_ps(t, _mm512_loadu_ps(sc + g * kPanel), acc);
   }
-#pragma GCC unroll 4
-  for (int j = 0; j < NP; ++j) {
-    const __mmask16 m = lanes16(cols - j * kPanel);
-    const __m512 b = bias != nullptr ? load16(bias + j * kPanel, m) : _mm512_setzero_ps();
-    store16(y + j * kPanel, _mm512_add_ps(acc[j], b), m);
-  }
+#undef pairs
+#undef bx
+  const __mmask16 m = lanes16(cols);
+  store16(y, _mm512_add_ps(acc, bias != nullptr ? load16(bias, m) : _mm512_setzero_ps()), m);
 }
 #endif
 
 // c[i, 0:16 NP] += sc (part - zp xs[i]) for one chunk's R x NP partial sums.
 template <int R, int NP>
-inline void add_chunk(const __m512 (&part)[R][NP], float* c, const float* sc, const float* zp, int64_t gstride,
-                      const float* xs, int64_t xstride) {
+inline void add_chunk(const __m512 (&part)[R][NP], float* c, const float* sc, const float* zp, float zc,
+                      int64_t gstride, const float* xs, int64_t xstride) {
 #pragma GCC unroll 4
   for (int j = 0; j < NP; ++j) {
     const __m512 s = _mm512_loadu_ps(sc + j * gstride);
-    const __m512 z = zp != nullptr ? _mm512_loadu_ps(zp + j * gstride) : _mm512_setzero_ps();
+    const __m512 z = zp != nullptr ? _mm512_loadu_ps(zp + j * gstride) : _mm512_set1_ps(zc);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
       __m512 t = part[i][j];
-      if (zp != nullptr) t = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[i * xstride]), t);
+      if (zp != nullptr || zc != 0.0f) t = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[i * xstride]), t);
       float* ci = c + i * kBW + j * kPanel;
       _mm512_storeu_ps(ci, _mm512_fmadd_ps(t, s, _mm512_loadu_ps(ci)));
     }
@@ -468,7 +512,7 @@ void run_blocked(const Weights& w, const float* xf, const int32_t* xb, int64_t M
             {
               bmicro_f32<rr.value, qq.value>(xf + m * K + k0, K, widened.data(), k1 - k0, part);
             }
-            add_chunk<rr.value, qq.value>(part, c + m * kBW, sc, zp, G * kPanel, xs != nullptr ? xs + m * C + ch : nullptr, C);
+            add_chunk<rr.value, qq.value>(part, c + m * kBW, sc, zp, w.zc, G * kPanel, xs != nullptr ? xs + m * C + ch : nullptr, C);
           });
         });
       }
@@ -541,8 +585,8 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
     }
     for (int h = 0; h < H; ++h) {
       const int64_t off = ((h / 2) * G + g) * kPanel + (h % 2) * 8;
-      if (zp != nullptr) {
-        const __m256 z = _mm256_loadu_ps(zp + off);
+      if (zp != nullptr || w.zc != 0.0f) {
+        const __m256 z = zp != nullptr ? _mm256_loadu_ps(zp + off) : _mm256_set1_ps(w.zc);
         for (int i = 0; i < R; ++i) part[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(xs[i * C + c]), part[i][h]);
       }
       const __m256 s = _mm256_loadu_ps(sc + off);
@@ -587,7 +631,7 @@ void micro(const Weights& w, int64_t p, const float* x, int64_t ldx, const float
           }
           part += x[i * ldx + k] * q;
         }
-        acc += sc[g * kPanel] * (part - (zp != nullptr ? zp[g * kPanel] * xs[i * C + c] : 0.0f));
+        acc += sc[g * kPanel] * (part - (zp != nullptr ? zp[g * kPanel] * xs[i * C + c] : w.zc != 0.0f ? w.zc * xs[i * C + c] : 0.0f));
       }
       y[i * ldy + n] = from_float<O>(acc + (bias != nullptr ? bias[n] : 0.0f));
     }
@@ -607,14 +651,12 @@ void run(const Weights& w, const float* x, const int32_t* xb, int64_t M, const f
 #ifdef PAGEDLLM_AVX512_BF16
   if constexpr (KIND == kInt4) {
     if (M == 1 && xb != nullptr && has_vbmi()) {
-      const int64_t panels = (w.N + kPanel - 1) / kPanel, tasks = (panels + kNP1 - 1) / kNP1;
-#pragma omp parallel for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t p = t * kNP1, n0 = p * kPanel, cols = std::min(kNP1 * kPanel, w.N - n0);
-        gemm::upto<kNP1>((cols + kPanel - 1) / kPanel, [&](auto qq) {
-          micro1_int4_dp<qq.value>(w, p, xb, xs, y + n0, bias != nullptr ? bias + n0 : nullptr, cols);
-        });
-      }
+      for_panel_ranges((w.N + kPanel - 1) / kPanel, w.panel_bytes(), [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t n0 = p * kPanel;
+          panel1_int4_dp(w, p, xb, xs, y + n0, bias != nullptr ? bias + n0 : nullptr, std::min(kPanel, w.N - n0));
+        }
+      });
       return;
     }
   }
@@ -736,11 +778,12 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t
   }
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  auto [xf, xs] = gather_input(x, perm, group_size, zeros);
+  const float zc = kind == qgemm::kInt4 && !zeros ? 8.0f : 0.0f;  // int4 without zero points: 8
+  auto [xf, xs] = gather_input(x, perm, group_size, zeros || zc != 0.0f);
   const qgemm::Weights w{static_cast<int>(kind), packed.data_ptr<uint8_t>(), sc.data_ptr<float>(),
-                         zeros ? zp->data_ptr<float>() : nullptr, N, K, group_size, G};
+                         zeros ? zp->data_ptr<float>() : nullptr, N, K, group_size, G, zc};
   const float* xp = xf.data_ptr<float>();
-  const float* xsp = zeros ? xs.data_ptr<float>() : nullptr;
+  const float* xsp = xs.defined() ? xs.data_ptr<float>() : nullptr;
   // bf16 x of a batch on AVX512-BF16: its bf16 pairs (in the weight's column order) for vdpbf16ps
   torch::Tensor xb;
 #ifdef PAGEDLLM_AVX512_BF16
