@@ -14,9 +14,10 @@ weights' memory.
 
 Choices are cached on disk per CPU (model name and ISA flags), torch version, kernel level,
 thread count and dtype, one JSON file per key under the kernel cache directory, so a model's
-shapes are timed once per machine. A shape whose samples spread more than ``NOISY`` (another
-process had the cores) is decided for this process only and timed again at the next start, so a
-busy moment is never remembered. ``"pagedllm"`` / ``"onednn"`` force one form for every shape.
+shapes are timed once per machine. A shape whose samples spread more than ``NOISY``, or any
+shape timed while the load average is above the CPUs this process may use (other processes had
+the cores), is decided for this process only and timed again at the next start, so a busy moment
+is never remembered. ``"pagedllm"`` / ``"onednn"`` force one form for every shape.
 """
 from __future__ import annotations
 
@@ -80,6 +81,19 @@ def cache_key(dtype: torch.dtype, kernels_level: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def machine_busy() -> bool:
+    """Other processes hold the cores: the 1-minute load average is above the CPUs this process
+    may use (a busy machine times both forms slowly and evenly, which the spread check misses)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        return os.getloadavg()[0] > cpus
+    except OSError:
+        return False
+
+
 def time_shape(n: int, k: int, dtype: torch.dtype, pack_ours: Callable, pack_onednn: Callable, linear: Callable,
                clock: Callable[[], float] = time.perf_counter) -> ShapeTiming:
     """Times ``linear`` through both packed forms of a random [n, k] weight at each of ROWS."""
@@ -126,11 +140,12 @@ def select_forms(shapes: Iterable[tuple[int, int]], dtype: torch.dtype, mode: st
     missing = [s for s in shapes if s not in choices]
     if missing:
         t0 = time.perf_counter()
+        busy = machine_busy()
         noisy = []
         for n, k in missing:
             t = time_shape(n, k, dtype, pack_ours, pack_onednn, linear, clock)
             choices[(n, k)] = _decided[(key, (n, k))] = t.choice
-            if t.noisy:  # decided for this process only; timed again at the next start
+            if t.noisy or busy:  # decided for this process only; timed again at the next start
                 noisy.append(f"{n}x{k}")
                 continue
             cached[f"{n}x{k}"] = {"choice": t.choice, "onednn_speedup": round(t.onednn_speedup, 3),

@@ -10,6 +10,8 @@ import torch
 
 from pagedllm.layers import gemm_select as gs
 
+REAL_MACHINE_BUSY = gs.machine_busy  # before the autouse fixture stubs it
+
 
 class FakeGemm:
     """Forms are tags; ``linear`` advances a fake clock by the table's seconds for (form, rows),
@@ -39,6 +41,7 @@ def table(ours, onednn):
 @pytest.fixture(autouse=True)
 def fresh_process_memo(monkeypatch):
     monkeypatch.setattr(gs, "_decided", {})
+    monkeypatch.setattr(gs, "machine_busy", lambda: False)  # the test host's load is not the subject
 
 
 def select(fake, shapes, tmp_path, mode="auto"):
@@ -143,3 +146,19 @@ def test_engine_greedy_matches_hf_with_each_form(make_ckpt, tmp_path, mode):
                                                                                  ignore_eos=True), use_tqdm=False)
     assert_greedy_agrees(outs, hf_greedy(path, prompts, 8))
     llm.engine.shutdown()
+
+
+def test_nothing_is_cached_while_the_load_is_above_the_cpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(gs, "machine_busy", lambda: True)
+    fake = FakeGemm(table((1.0, 4.0, 30.0), (1.0, 2.0, 8.0)))
+    assert select(fake, [(8, 16)], tmp_path) == {(8, 16): "onednn"}
+    assert not (tmp_path / "gemm_select").exists()
+
+
+def test_machine_busy_reads_the_load_against_the_allowed_cpus(monkeypatch):
+    real = REAL_MACHINE_BUSY
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus + 0.5, 0.0, 0.0))
+    assert real()
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus - 0.5, 0.0, 0.0))
+    assert not real()
