@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from triton_aot import COMPILE_RECORDED_CALLS
 
 # Compiled kernels on CUDA machines (PAGEDLLM_TRITON_NATIVE=1, or simply CUDA present), the
 # interpreter on CPU (or when PAGEDLLM_TRITON_NATIVE=0). Interpreter mode is process-wide in
@@ -531,35 +532,7 @@ launch([(50, 20), (7, 1)], torch.float16, 3, 80, 8)                       # odd 
 launch([(33, 1)], torch.bfloat16, 1, 64, 16, kv_heads=1)                   # num_reqs == 1, num_heads == 1 (int specialisation)
 launch([(64, 64), (40, 1)], torch.bfloat16, 2, 256, 16, window=32, soft_cap=50.0)  # Gemma 2: soft-cap + window
 
-seen = set()
-for fn, args, kw in calls:
-    kw = dict(kw)
-    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
-    sig, consts, attrs = {}, {}, {}
-    bound = dict(zip(fn.arg_names, args)); bound.update(kw)
-    for i, p in enumerate(fn.params):
-        v = bound[p.name]
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"; consts[p.name] = v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + TY[v.dtype]; attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        elif isinstance(v, int) and v == 1:
-            sig[p.name] = "constexpr"; consts[p.name] = 1
-        else:
-            sig[p.name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    key = (fn.fn.__name__, repr(sorted(sig.items())), repr(sorted(consts.items())), repr(opts))
-    if key in seen:
-        continue
-    seen.add(key)
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    assert k.asm["cubin"], key
-    print("compiled", fn.fn.__name__, {c: consts[c] for c in consts if c.isupper()}, "shared", k.metadata.shared, flush=True)
-print("AOT-OK", len(seen))
-"""
+""" + COMPILE_RECORDED_CALLS
 
 
 def test_compiles_for_sm90_without_gpu(tmp_path):

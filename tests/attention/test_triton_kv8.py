@@ -24,6 +24,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from triton_aot import COMPILE_RECORDED_CALLS
 
 NATIVE = torch.cuda.is_available() and os.environ.get("PAGEDLLM_TRITON_NATIVE") != "0"
 _PREV = os.environ.get("TRITON_INTERPRET")
@@ -561,35 +562,7 @@ for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
     c = torch.zeros(2, 3, 12, 16, 2, 64, dtype=dt) if dt != torch.bfloat16 else torch.zeros(2, 3, 12, 16, 2, dtype=dt)
     tb.triton_copy_blocks(c, torch.tensor([1]), torch.tensor([2]))
 
-seen = set()
-for fn, args, kw in calls:
-    kw = dict(kw)
-    opts = {k: kw.pop(k) for k in ("num_warps", "num_stages") if k in kw}
-    sig, consts, attrs = {}, {}, {}
-    bound = dict(zip(fn.arg_names, args)); bound.update(kw)
-    for i, p in enumerate(fn.params):
-        v = bound[p.name]
-        if p.is_constexpr:
-            sig[p.name] = "constexpr"; consts[p.name] = v
-        elif isinstance(v, torch.Tensor):
-            sig[p.name] = "*" + TY[v.dtype]; attrs[(i,)] = [["tt.divisibility", 16]]
-        elif isinstance(v, float):
-            sig[p.name] = "fp32"
-        elif isinstance(v, int) and v == 1:
-            sig[p.name] = "constexpr"; consts[p.name] = 1
-        else:
-            sig[p.name] = "i32"
-            if v % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    key = (fn.fn.__name__, repr(sorted(sig.items())), repr(sorted(consts.items())), repr(opts))
-    if key in seen:
-        continue
-    seen.add(key)
-    k = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
-    assert k.asm["cubin"], key
-    print("compiled", fn.fn.__name__, {c: consts[c] for c in consts if c.isupper()}, flush=True)
-print("AOT-OK", len(seen))
-"""
+""" + COMPILE_RECORDED_CALLS
 
 
 def test_compiles_for_sm90_without_gpu(tmp_path):
