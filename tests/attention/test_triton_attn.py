@@ -17,109 +17,40 @@ import pytest
 import torch
 from triton_aot import COMPILE_RECORDED_CALLS
 
-# Compiled kernels on CUDA machines (PAGEDLLM_TRITON_NATIVE=1, or simply CUDA present), the
-# interpreter on CPU (or when PAGEDLLM_TRITON_NATIVE=0). Interpreter mode is process-wide in
-# practice: @triton.jit picks interpreter vs compiler when a kernel is *decorated*, and that
-# includes triton.language's own helpers (tl.cdiv, tl.max, ...) decorated when triton is first
-# imported. So interpreting here on a CUDA machine would break compiled Triton code (ours, and
-# torch inductor's) in later tests of the same process; hence compiled by default on CUDA.
-_NATIVE_ENV = os.environ.get("PAGEDLLM_TRITON_NATIVE")
-NATIVE = torch.cuda.is_available() and _NATIVE_ENV != "0"
-_PREV_INTERPRET = os.environ.get("TRITON_INTERPRET")
-_already_imported = "triton" in sys.modules
+import triton_mode
+from triton_mode import NATIVE
 
+# Compiled on CUDA machines, Triton's interpreter on CPU (tests/triton_mode.py says why it is set
+# before triton is imported).
+_ENV = triton_mode.enter()
+import triton  # noqa: E402
 
-def _restore_interpret_env() -> None:
-    if _PREV_INTERPRET is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV_INTERPRET
-
-
-os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
-try:
-    import triton
-except ImportError:
-    _restore_interpret_env()
-    pytest.skip("triton is not installed", allow_module_level=True)
-
-if not NATIVE and _already_imported:
+if not NATIVE and _ENV.triton_imported_before:
     import triton.language.standard as _tl_std
 
     if type(_tl_std.cdiv).__name__ != "InterpretedFunction":
-        _restore_interpret_env()
+        _ENV.restore()
         pytest.skip(
             "triton was imported in compiled mode earlier in this process, so the interpreter "
             "can't run here; run this file on its own",
             allow_module_level=True,
         )
-
-
-def _patch_interpreter() -> None:
-    """Work around two Triton 3.6 interpreter bugs (no effect on compiled kernels).
-
-    * Scalars are 1-element arrays and ``__index__`` does ``int(arr)``, which NumPy >= 2.4
-      rejects, so ``for t in range(tensor_lo, tensor_hi)`` fails.
-    * ``tl.dot`` on bf16 runs ``np.matmul`` on the raw uint16 storage; upcast to fp32 first
-      (the compiled kernel also accumulates bf16 products in fp32).
-    """
-    try:
-        import triton.language as tl
-        from triton.runtime import interpreter as interp
-    except Exception:  # pragma: no cover
-        return
-    if getattr(interp, "_pagedllm_patched", False):
-        return
-    orig_patch_tensor = getattr(interp, "_patch_lang_tensor", None)
-    if orig_patch_tensor is not None:
-
-        def _patch_lang_tensor(tensor, scope):
-            orig_patch_tensor(tensor, scope)
-            scope.set_attr(
-                tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0])
-            )
-
-        interp._patch_lang_tensor = _patch_lang_tensor
-    builder = getattr(interp, "InterpreterBuilder", None)
-    if builder is not None and hasattr(builder, "create_dot"):
-        orig_dot = builder.create_dot
-
-        def _up(h):
-            if h.dtype == tl.bfloat16:
-                f32 = (h.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
-                return interp.TensorHandle(f32, tl.float32)
-            return h
-
-        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return orig_dot(self, _up(a), _up(b), d, input_precision, max_num_imprecise_acc)
-
-        builder.create_dot = create_dot
-    interp._pagedllm_patched = True
-
-
 if not NATIVE:
-    _patch_interpreter()
-
-
+    triton_mode.patch_interpreter()
 try:
     import pagedllm.attention.triton_attn as _ta
 finally:
-    _restore_interpret_env()
-if not NATIVE and type(_ta._unified_attention_kernel).__name__ != "InterpretedFunction":
-    pytest.skip(
-        "pagedllm.attention.triton_attn was imported with compiled kernels earlier in this "
-        "process; run this file on its own",
-        allow_module_level=True,
-    )
+    _ENV.restore()
+triton_mode.skip_unless_interpreted(_ta._unified_attention_kernel, "pagedllm.attention.triton_attn", _ENV)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _triton_interpret_env():
     """Triton imports some of its own @jit code lazily at first launch (and asserts the mode
     then), so the variable must also hold while this module's tests run; restored afterwards."""
-    os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
+    _ENV.set()
     yield
-    _restore_interpret_env()
+    _ENV.restore()
 
 
 from pagedllm.attention.backend import AttentionMetadata  # noqa: E402

@@ -26,69 +26,17 @@ import pytest
 import torch
 from triton_aot import COMPILE_RECORDED_CALLS
 
-NATIVE = torch.cuda.is_available() and os.environ.get("PAGEDLLM_TRITON_NATIVE") != "0"
-_PREV = os.environ.get("TRITON_INTERPRET")
-_already_imported = "triton" in sys.modules
+import triton_mode
+from triton_mode import NATIVE
 
-
-def _restore() -> None:
-    if _PREV is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV
-
-
-os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
-try:
-    import triton  # noqa: F401
-except ImportError:
-    _restore()
-    pytest.skip("triton is not installed", allow_module_level=True)
-
-
-def _patch_interpreter() -> None:
-    """The same two interpreter fixes as test_triton_attn.py (whichever module runs first applies
-    them, under one flag): ``__index__`` of 1-element arrays for NumPy >= 2.4 (the kernel's
-    ``range`` over tensor bounds), and bf16 ``tl.dot`` upcast to fp32 (it would multiply the raw
-    uint16 storage)."""
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    if getattr(interp, "_pagedllm_patched", False):
-        return
-    orig_patch_tensor = getattr(interp, "_patch_lang_tensor", None)
-    if orig_patch_tensor is not None:
-
-        def _patch_lang_tensor(tensor, scope):
-            orig_patch_tensor(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-        interp._patch_lang_tensor = _patch_lang_tensor
-    builder = getattr(interp, "InterpreterBuilder", None)
-    if builder is not None and hasattr(builder, "create_dot"):
-        orig_dot = builder.create_dot
-
-        def _up(h):
-            if h.dtype == tl.bfloat16:
-                return interp.TensorHandle((h.data.astype(np.uint32) << np.uint32(16)).view(np.float32), tl.float32)
-            return h
-
-        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-            return orig_dot(self, _up(a), _up(b), d, input_precision, max_num_imprecise_acc)
-
-        builder.create_dot = create_dot
-    interp._pagedllm_patched = True
-
-
+_ENV = triton_mode.enter()
 if not NATIVE:
-    _patch_interpreter()
+    triton_mode.patch_interpreter()
 try:
     from pagedllm.attention import triton_attn, triton_kv_quant
 finally:
-    _restore()
-if not NATIVE and type(triton_attn._unified_attention_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton_attn was imported with compiled kernels earlier in this process; run this file on its own",
-                allow_module_level=True)
+    _ENV.restore()
+triton_mode.skip_unless_interpreted(triton_attn._unified_attention_kernel, "triton_attn", _ENV)
 
 from pagedllm.attention import kv_quant
 from pagedllm.attention.backend import AttentionMetadata
@@ -104,9 +52,9 @@ TOL = {torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpret_env():
-    os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
+    _ENV.set()
     yield
-    _restore()
+    _ENV.restore()
 
 
 @pytest.fixture(autouse=True)

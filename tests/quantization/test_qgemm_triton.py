@@ -9,37 +9,18 @@ rounded to x's dtype before the dot (as a dense half-precision GEMM holds it), s
 each weight (2**-11 fp16, 2**-8 bf16 relative) of sum |x||w|, plus one rounding of the output."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
-NATIVE = torch.cuda.is_available() and os.environ.get("PAGEDLLM_TRITON_NATIVE") != "0"
-_PREV = os.environ.get("TRITON_INTERPRET")
-_already_imported = "triton" in sys.modules
+import triton_mode
+from triton_mode import NATIVE
 
-
-def _restore() -> None:
-    if _PREV is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _PREV
-
-
-os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
-try:
-    import triton  # noqa: F401
-except ImportError:
-    _restore()
-    pytest.skip("triton is not installed", allow_module_level=True)
+_ENV = triton_mode.enter()
 try:
     from pagedllm.quantization import triton_qgemm
 finally:
-    _restore()
-if not NATIVE and type(triton_qgemm._qgemm_kernel).__name__ != "InterpretedFunction":
-    pytest.skip("triton_qgemm was imported with compiled kernels earlier in this process; run this file on its own",
-                allow_module_level=True)
+    _ENV.restore()
+triton_mode.skip_unless_interpreted(triton_qgemm._qgemm_kernel, "triton_qgemm", _ENV)
 
 from qgemm_cases import random_input, random_qweight, reference  # noqa: E402
 
@@ -50,9 +31,9 @@ WEIGHT_ROUNDING = {torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16:
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpret_env():
-    os.environ["TRITON_INTERPRET"] = "0" if NATIVE else "1"
+    _ENV.set()
     yield
-    _restore()
+    _ENV.restore()
 
 
 def _to(qw, device):
