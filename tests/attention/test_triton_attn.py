@@ -8,14 +8,12 @@ wrappers launch for sm_90 with the real Triton compiler, GPU or not.
 """
 from __future__ import annotations
 
-import os
 import random
-import sys
 
 import numpy as np
 import pytest
 import torch
-from triton_aot import COMPILE_RECORDED_CALLS
+from triton_aot import COMPILE_RECORDED_CALLS, run_aot_script
 
 import triton_mode
 from triton_mode import NATIVE
@@ -23,7 +21,6 @@ from triton_mode import NATIVE
 # Compiled on CUDA machines, Triton's interpreter on CPU (tests/triton_mode.py says why it is set
 # before triton is imported).
 _ENV = triton_mode.enter()
-import triton  # noqa: E402
 
 if not NATIVE and _ENV.triton_imported_before:
     import triton.language.standard as _tl_std
@@ -467,25 +464,7 @@ launch([(64, 64), (40, 1)], torch.bfloat16, 2, 256, 16, window=32, soft_cap=50.0
 
 
 def test_compiles_for_sm90_without_gpu(tmp_path):
-    import subprocess
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia import compiler as _nv  # noqa: F401
-    except Exception as e:  # pragma: no cover
-        pytest.skip(f"triton NVIDIA backend unavailable: {e}")
-    script = tmp_path / "aot.py"
-    script.write_text(_AOT_SCRIPT)
-    env = dict(os.environ)
-    env.pop("PAGEDLLM_TRITON_NATIVE", None)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run(
-        [sys.executable, str(script), os.path.dirname(os.path.abspath(__file__))],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_aot_script(tmp_path, _AOT_SCRIPT)
 
 
 def test_decode_graph_runner_padded_static_buffers_match_eager(tmp_path):

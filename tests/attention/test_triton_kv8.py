@@ -18,13 +18,11 @@ division by a scalar multiplies by the reciprocal, so the reference scales could
 """
 from __future__ import annotations
 
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
-from triton_aot import COMPILE_RECORDED_CALLS
+from triton_aot import COMPILE_RECORDED_CALLS, run_aot_script
 
 import triton_mode
 from triton_mode import NATIVE
@@ -514,20 +512,4 @@ for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
 
 
 def test_compiles_for_sm90_without_gpu(tmp_path):
-    import subprocess
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.backends.nvidia import compiler as _nv  # noqa: F401
-    except ImportError as e:  # pragma: no cover
-        pytest.skip(f"triton NVIDIA backend unavailable: {e}")
-    script = tmp_path / "aot.py"
-    script.write_text(_AOT_SCRIPT)
-    env = dict(os.environ)
-    env.pop("PAGEDLLM_TRITON_NATIVE", None)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600,
-                       check=False)
-    assert r.returncode == 0 and "AOT-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+    run_aot_script(tmp_path, _AOT_SCRIPT)
