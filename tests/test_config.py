@@ -68,9 +68,9 @@ def test_worker_threads_follow_the_binding(monkeypatch):
     allowed = sorted(os.sched_getaffinity(0))
     prev = torch.get_num_threads()
     try:
-        n = configure_cpu_threads(EngineConfig(cpu_threads_bind=str(allowed[0])), 0, 1)
-        assert n == 1 and torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {allowed[0]}
-        assert configure_cpu_threads(EngineConfig(), 0, 1) is None  # one rank, nothing asked: left alone
+        d = configure_cpu_threads(EngineConfig(cpu_threads_bind=str(allowed[0])), 0, 1)
+        assert d.threads == 1 and torch.get_num_threads() == 1 and os.sched_getaffinity(0) == {allowed[0]}
+        assert d.bind == (allowed[0],)
     finally:
         os.sched_setaffinity(0, allowed)
         torch.set_num_threads(prev)

@@ -19,7 +19,7 @@ from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.models.pipeline import check_pipeline_support
 from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
-from pagedllm.worker.cpu_threads import configure_cpu_threads
+from pagedllm.worker.cpu_threads import CpuThreadDecision, configure_cpu_threads
 from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -119,13 +119,14 @@ class Worker:
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cpu_description: dict | None = None  # CPU model, flags and kernel level (CPU only)
+        self.cpu_threads: CpuThreadDecision | None = None  # threads, binding, quota and why (CPU only)
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             tp, pp = get_tp_group(), get_pp_group()
             if pp.world_size > 1:  # every rank of every stage shares the host's cores
-                configure_cpu_threads(config, pp.global_rank, pp.global_world)
+                self.cpu_threads = configure_cpu_threads(config, pp.global_rank, pp.global_world)
             else:
-                configure_cpu_threads(config, tp.rank, tp.world_size)
+                self.cpu_threads = configure_cpu_threads(config, tp.rank, tp.world_size)
         model_cls = resolve_model_class(hf_config)
         check_pipeline_support(model_cls)
         prev = torch.get_default_dtype()
@@ -155,7 +156,7 @@ class Worker:
                 module.pack_for_cpu(self.dtype)  # MoE experts: each expert's projections
             keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS
             self.cpu_description = dict(cpu_kernels.describe(), gemm_mode=config.cpu_gemm,
-                                        gemm_forms=gemm_forms(self.model))
+                                        gemm_forms=gemm_forms(self.model), threads=self.cpu_threads.as_dict())
             d = self.cpu_description
             forms = ", ".join(f"{k} {v}" for k, v in d["gemm_forms"].items() if v)
             logger.info("CPU %s (%s), %d threads, %s: kernels %s (level %s, best for this CPU %s); linear layers "
