@@ -39,7 +39,9 @@ def import_xgrammar():
 
 
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
-    """The compile cache key: the constraint's kind and its canonical text."""
+    """The compile cache key: the constraint's kind and its text. A JSON schema's keys keep their
+    order (never sorted): the grammar writes an object's properties in the schema's order, so a
+    schema that puts ``reasoning`` before ``answer`` gets them in that order."""
     kind = spec.kind
     if kind == "json":
         value = spec.json
@@ -50,7 +52,7 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(value, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object")
-        return kind, json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return kind, json.dumps(value, ensure_ascii=False)
     if kind == "choice":
         return kind, json.dumps(spec.choice, ensure_ascii=False)
     if kind == "json_object":

@@ -177,3 +177,15 @@ def test_min_tokens_does_not_block_the_grammar_end(llm):
     out = llm.generate(["KING:"], SamplingParams(max_tokens=30, min_tokens=20, temperature=0,
                                                  structured_outputs=S(choice=["ay"])), use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.text == "ay"
+
+
+def test_json_properties_come_in_schema_order(llm):
+    """Regression: the schema was compiled with sorted keys, so ``reasoning`` (declared first)
+    came out after ``answer``. Both orders of the same properties must be honoured."""
+    props = {"reasoning": {"type": "string", "maxLength": 12}, "answer": {"type": "boolean"}}
+    for order in (["reasoning", "answer"], ["answer", "reasoning"]):
+        schema = {"type": "object", "properties": {k: props[k] for k in order}, "required": order,
+                  "additionalProperties": False}
+        sp = SamplingParams(max_tokens=200, temperature=0, structured_outputs=S(json=schema))
+        text = llm.generate(["ROMEO:"], [sp], use_tqdm=False)[0].outputs[0].text
+        assert list(json.loads(text)) == order, text
