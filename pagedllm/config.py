@@ -180,6 +180,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if isinstance(self.kv_cache_memory, str):  # "64MiB", as the --kv-cache-memory flag takes it
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not (0.0 < self.cpu_memory_utilization <= 1.0):
@@ -317,6 +319,20 @@ def resolve_max_num_batched_tokens(config: EngineConfig, max_model_len: int) -> 
             )
         return config.max_num_batched_tokens
     return 2048 if config.enable_chunked_prefill else max(2048, max_model_len)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+               "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str, name: str = "size") -> int:
+    """Bytes from ``"1073741824"``, ``"512MiB"``, ``"2GiB"``, ``"1.5GB"``; ValueError naming ``name``."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{name} is not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
 def parse_cpu_list(text: str) -> list[int]:

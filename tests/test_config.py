@@ -94,3 +94,12 @@ def test_serve_default_batch_follows_the_device(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU visible to this process
     assert config.serve_default_max_num_seqs("auto") == config.CPU_SERVE_MAX_NUM_SEQS
+
+
+def test_kv_cache_memory_takes_a_size_with_a_unit():
+    """Regression: LLM(kv_cache_memory="64MiB") raised TypeError although the flag accepts it."""
+    assert EngineConfig(kv_cache_memory="64MiB").kv_cache_memory == 64 << 20
+    assert EngineConfig(kv_cache_memory="1.5GB").kv_cache_memory == 1_500_000_000
+    assert EngineConfig(kv_cache_memory=4096).kv_cache_memory == 4096
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineConfig(kv_cache_memory="lots")

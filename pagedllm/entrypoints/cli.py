@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 from pagedllm import envs
 from pagedllm.config import EngineConfig, default_model_path, serve_default_max_num_seqs
+from pagedllm.config import parse_size as config_parse_size
 
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
@@ -81,15 +82,11 @@ _HELP = {
     "max_loras_per_step": "most distinct LoRA adapters in one step (default max_loras)",
 }
 _SKIP = {"model"}
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
-
-
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return config_parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 1073741824, 512MiB, 2GiB)") from None
 
 
 def _field_type(f: dataclasses.Field):

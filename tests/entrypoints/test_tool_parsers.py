@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from pagedllm.entrypoints.openai import tool_calls as tc
 from pagedllm.entrypoints.openai.tool_parsers import get_tool_parser
 
 
@@ -25,6 +26,44 @@ def test_hermes_hold_back_while_streaming():
     assert p.hold_from("plain text") == len("plain text")
     assert p.hold_from("text <tool_") == len("text ")
     assert p.hold_from("text <tool_call>{") == len("text ")
+
+
+def _stream(plan, pieces):
+    """Feed ``pieces`` to a ToolStream; (streamed content, calls)."""
+    st = tc.ToolStream(plan)
+    content = []
+    for k, piece in enumerate(pieces):
+        for d in st.feed(piece, k == len(pieces) - 1):
+            if d.content:
+                content.append(d.content)
+    return "".join(content), st.calls
+
+
+@pytest.mark.parametrize("text", [
+    'Let me check. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+    '\nLet me check.\n\n<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+    ' <tool_call>{"name": "f", "arguments": {}}</tool_call>',
+    "Just text, ending in spaces   ",
+])
+def test_hermes_auto_streamed_content_equals_whole(text):
+    """Regression: streamed, the content before a call kept its trailing space."""
+    plan = tc.ToolPlan("auto", [], None, get_tool_parser("hermes"))
+    whole, calls = tc.parse_output(plan, text)
+    for size in (1, 3, len(text)):
+        streamed, scalls = _stream(plan, [text[i:i + size] for i in range(0, len(text), size)])
+        assert streamed == (whole or "") and scalls == calls
+
+
+def test_required_calls_cut_by_max_tokens_keep_the_complete_ones():
+    """Regression: tool_choice "required" output cut at max_tokens after complete calls gave []."""
+    plan = tc.ToolPlan("required", [], None)
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"s": "x"}}, {"name": "f", "para'
+    content, calls = tc.parse_output(plan, text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1}), ("g", {"s": "x"})]
+    assert tc.finish_reason(plan, calls, "length") == "length"
+    assert _stream(plan, [text[:20], text[20:]])[1] == calls
+    assert tc.parse_output(plan, '[{"name": "f", "par') == ('[{"name": "f", "par', [])  # none complete: text
+    assert tc.parse_output(plan, "[]") == ("[]", [])
 
 
 def test_llama3_json():

@@ -568,11 +568,14 @@ class OpenAIServing:
     async def _chat_stream(self, req, streams: StreamSet, rid, model, prompt_len, plan=None) -> AsyncIterator[str]:
         done, ntok, cached = set(), 0, 0
         tools = {k: tc.ToolStream(plan) for k in range(req.n)} if plan is not None and plan.active else None
+        role_sent = False
         try:
-            for k in range(req.n):
-                choice = ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
-                yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
             async for _, out in streams:
+                if not role_sent:  # with the first output (after prefill, as vLLM): TTFT is measured right
+                    role_sent = True
+                    for k in range(req.n):
+                        choice = ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
+                        yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
                 cached = out.num_cached_tokens
                 for o in out.outputs:
                     if o.index in done or (not o.text and not o.token_ids and o.finish_reason is None):

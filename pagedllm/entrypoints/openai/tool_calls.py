@@ -112,14 +112,35 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[Optional[str], list[ParsedT
             return text, []  # cut short (length): not a call
         return None, [ParsedToolCall(plan.named, text)]
     if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
+        items = complete_array_items(text)
+        if not items:
             return text, []
         return None, [ParsedToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
     if plan.mode == "auto":
         return plan.parser.extract(text)
     return text, []
+
+
+def complete_array_items(text: str) -> list[Any]:
+    """The complete objects of a JSON array's text, which may be cut short (max_tokens): the
+    calls written in full before the cut are calls, the one cut off is dropped."""
+    decoder, items = json.JSONDecoder(), []
+    i = len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
+        return items
+    i += 1
+    while True:
+        while i < len(text) and text[i] in " \t\r\n,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            return items
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return items
+        if not isinstance(obj, dict) or "name" not in obj or "parameters" not in obj:
+            return items
+        items.append(obj)
 
 
 def finish_reason(plan: ToolPlan, calls: list, reason: Optional[str]) -> Optional[str]:
@@ -158,15 +179,16 @@ class ToolStream:
             if finished:
                 self.calls = parse_output(plan, self.text)[1]
             return out
-        hold = len(self.text) if plan.mode != "auto" else plan.parser.hold_from(self.text)
-        if plan.mode == "required":
-            hold = 0
+        hold = 0
+        if plan.mode == "auto":  # whitespace before a call is not content (as extract() strips it)
+            hold = len(self.text[:plan.parser.hold_from(self.text)].rstrip())
+        _, calls = parse_output(plan, self.text) if finished else (None, [])
+        if (not finished or calls) and hold > self.sent:  # the content before a call
+            out.append(DeltaMessage(content=self.text[self.sent:hold]))
+            self.sent = hold
         if not finished:
-            if hold > self.sent:
-                out.append(DeltaMessage(content=self.text[self.sent:hold]))
-                self.sent = hold
             return out
-        _, self.calls = parse_output(plan, self.text)
+        self.calls = calls
         if not self.calls:
             if len(self.text) > self.sent:
                 out.append(DeltaMessage(content=self.text[self.sent:]))

@@ -15,7 +15,9 @@ class ParsedToolCall:
 class ToolParser(Protocol):
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
         """(the content left once the tool calls are taken out, or None; the tool calls). Text
-        with no well-formed tool call comes back whole as content, with no calls."""
+        with no well-formed tool call comes back whole as content, with no calls. The content
+        before a call keeps its leading whitespace and loses its trailing whitespace (streaming
+        holds whitespace back until more text comes, so both give the same content)."""
         ...
 
     def hold_from(self, text: str) -> int:

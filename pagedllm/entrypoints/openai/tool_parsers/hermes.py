@@ -25,7 +25,7 @@ class HermesToolParser:
             if call is None:
                 return text, []  # a malformed call: the text is returned as it is
             calls.append(call)
-        content = text[: text.index(_START)].strip()
+        content = text[: text.index(_START)].rstrip()
         return (content or None), calls
 
     def hold_from(self, text: str) -> int:
