@@ -34,7 +34,23 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import cpu_info, ensure_model, print_table, write_json  # noqa: E402
-from serving import Result, one_request, percentiles  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pagedllm.bench.datasets import SampleRequest  # noqa: E402
+from pagedllm.bench.metrics import RequestResult, percentile  # noqa: E402
+from pagedllm.bench.serve import request_body, send_request  # noqa: E402
+
+
+def one_request(client, url: str, prompt: list[int], max_tokens: int):
+    """A greedy streamed completion with ignore_eos (``pagedllm bench serve``'s request)."""
+    body = request_body("openai", SampleRequest(prompt, len(prompt), max_tokens), None, ignore_eos=True,
+                        temperature=0.0, extra_body=None)
+    return send_request(client, url, "openai", body, {}, len(prompt))
+
+
+def percentiles(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    return {"mean": sum(s) / len(s) if s else math.nan, "p50": percentile(s, 50), "p90": percentile(s, 90),
+            "p99": percentile(s, 99)}
 
 CONFIGS = {
     "1 replica": [],
@@ -99,7 +115,7 @@ def start(model: str, extra: list[str], args) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
-async def drive(url: str, reqs, args) -> tuple[list[Result], float]:
+async def drive(url: str, reqs, args) -> tuple[list[RequestResult], float]:
     import httpx
 
     endpoint = url + "/v1/completions"
@@ -109,7 +125,7 @@ async def drive(url: str, reqs, args) -> tuple[list[Result], float]:
         tasks = []
         t0 = time.perf_counter()
         for prompt, _ in reqs:
-            tasks.append(asyncio.create_task(one_request(client, endpoint, None, prompt, args.output_len, None)))
+            tasks.append(asyncio.create_task(one_request(client, endpoint, prompt, args.output_len)))
             if math.isfinite(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
@@ -136,7 +152,7 @@ def run_config(name: str, model: str, reqs, args) -> dict:
     return {"config": name, "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
             "prefix_cache_hit_rate": (h1 - h0) / max(1.0, q1 - q0), "ttft_s": ttft,
             "e2e_latency_s": percentiles([r.latency for r in ok]),
-            "output_token_throughput": sum(r.output_tokens for r in ok) / duration}
+            "output_token_throughput": sum(r.output_len for r in ok) / duration}
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "pagedllm"
 RANKS = [
     ["__init__"],  # the package's public face: lazily re-exports LLM, AsyncLLM, ...
     ["entrypoints"],
+    ["bench"],  # `pagedllm bench`: the CLI hands it the engine-flag helpers and the LLM it drives
     ["engine"],
     ["executor"],
     ["worker"],

@@ -194,6 +194,9 @@ def _build_parser() -> argparse.ArgumentParser:
     add_router_args(srv)
     add_engine_args(srv)
     add_router_parser(sub)
+    from pagedllm.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, add_engine_args)
     return parser
 
 
@@ -231,6 +234,14 @@ def _generate(args: argparse.Namespace) -> int:
                 print(f"--- completion {o.index} ({o.finish_reason})")
             print(prompt + o.text if not args.chat else o.text)
     return 0
+
+
+def _bench_llm(args: argparse.Namespace):
+    """The offline engine of ``pagedllm bench throughput|latency``: the engine flags, --seed."""
+    from pagedllm.entrypoints.llm import LLM
+
+    config = dataclasses.replace(engine_config_from_args(args), seed=args.seed)
+    return LLM(**dataclasses.asdict(config))
 
 
 def _catch_stop_signals():
@@ -282,6 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "bench":
+            from pagedllm.bench.cli import run_bench
+
+            return run_bench(args, argv, _bench_llm, sub_parser(parser, "bench"))
         if args.command == "router":
             from pagedllm.entrypoints.router.server import run_router_command
 
