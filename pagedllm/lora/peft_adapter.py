@@ -98,6 +98,8 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
             raw = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is not readable JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} nests too deeply to be read") from None
     if not isinstance(raw, dict):
         raise ValueError(f"LoRA adapter {path!r}: {CONFIG_FILE} is not a JSON object")
     where = f"LoRA adapter {path!r}"

@@ -50,6 +50,8 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
                 value = json.loads(value)
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            except RecursionError:
+                raise ValueError("structured_outputs.json nests too deeply") from None
         if not isinstance(value, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object")
         return kind, json.dumps(value, ensure_ascii=False)

@@ -48,6 +48,8 @@ BAD_CASES = {
                         "has no adapter_model.safetensors"),
     "missing_config": (lambda p: os.remove(os.path.join(p, "adapter_config.json")), "has no adapter_config.json"),
     "not_json": (lambda p: open(os.path.join(p, "adapter_config.json"), "w").write("{"), "not readable JSON"),
+    "nested_too_deeply": (lambda p: open(os.path.join(p, "adapter_config.json"), "w").write(
+        '{"a":' * 100000 + "1" + "}" * 100000), "nests too deeply"),
 }
 
 

@@ -6,9 +6,11 @@ JSON with a non-null ``code``; a 500 names a request id, never internal details 
 is logged under that id). A client that disconnects (streaming or not) aborts its engine requests.
 
 Every response carries ``X-Request-Id`` (the client's, or a generated one; log lines carry it
-too). Request bodies are read by ``middleware.RequestGuard`` before the app sees them: over
-``max_request_body_size`` -> 413, a body that stalls longer than ``http_read_timeout`` -> 408,
-a Content-Type other than JSON on a POST -> 415. A connection that does not finish sending a
+too). The API key is checked and every request body (every route, the LoRA ones included) is read
+by ``middleware.RequestGuard`` before the app parses anything: over ``max_request_body_size`` ->
+413, a body that stalls longer than ``http_read_timeout`` -> 408, a Content-Type other than JSON
+on a JSON route -> 415. An unexpected exception is a 500 that keeps the connection
+(``middleware.InternalErrors``); input nested too deeply (RecursionError) is a 400. A connection that does not finish sending a
 request's headers within ``http_read_timeout`` is closed (``middleware.h11_protocol``).
 
 SIGTERM: uvicorn stops accepting, new requests get 503 ``shutting_down``, in-flight ones may
@@ -36,10 +38,10 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse, VersionResponse,
 )
-from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingOptions, ShuttingDown, internal_error
+from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingOptions, ShuttingDown
 from pagedllm.entrypoints.openai import lora_modules
 from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from pagedllm.entrypoints.openai.middleware import AuthMiddleware, RequestGuard, error_response, h11_protocol, json_response
+from pagedllm.entrypoints.openai.middleware import InternalErrors, RequestGuard, error_response, h11_protocol, json_response
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
 from pagedllm.version import __version__
 
@@ -91,6 +93,11 @@ class ServerState:
         if self.engine is not None:
             lora_modules.register_lora_modules(self.engine, self.args.lora_modules, self.served_model_names)
             self._ready(self.engine)
+
+    @property
+    def http_read_timeout(self) -> float:
+        """Seconds between a request body's chunks (``http_guard.guard_body``)."""
+        return self.args.http_read_timeout
 
     def start_loading(self) -> None:
         if self.engine is None and self._loader is None:
@@ -249,9 +256,8 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None)
     app.state.server = state
-    if state.api_key:
-        app.add_middleware(AuthMiddleware, api_key=state.api_key)
-    app.add_middleware(RequestGuard, state=state)  # outermost
+    app.add_middleware(InternalErrors)  # innermost: a 500 that keeps the connection
+    app.add_middleware(RequestGuard, state=state)  # outermost: the API key, then the bounded body
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -292,11 +298,6 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         elif exc.status_code == 404:
             message = f"no such route: {request.method} {request.url.path}"
         return error_response(exc.status_code, message, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        err = internal_error(exc)
-        return json_response(err.body(), err.status)
 
     def _timeout(raw: Request) -> Optional[float]:
         value = raw.headers.get("x-request-timeout")
@@ -349,12 +350,12 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         text = await lora_modules.unload_lora_adapter(state.require(), req, state.args.allow_runtime_lora_updating)
         return Response(content=text, media_type="text/plain")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         state.require()
         return Response(status_code=200)
 
-    @app.get("/ping")
+    @app.api_route("/ping", methods=["GET", "HEAD"])
     async def ping():
         state.require()
         return Response(status_code=200)

@@ -4,11 +4,15 @@
 block hash chain; /tokenize and /detokenize by load; /v1/models comes from a healthy backend;
 /health is 200 while at least one replica is; /metrics merges the backends' and adds the
 router's own. Streams pass through unbuffered (each chunk is forwarded as it arrives). A replica
-that cannot be reached before it answers (connect error, or a 503 saying it is loading, draining
-or dead) is taken out and the request goes to the next one; one that fails mid-answer ends the
-request with a 502 (or, mid-stream, an OpenAI error event and [DONE]). The client's Authorization
-header is passed through: the backends check API keys. Each answer names its replica in the
-``x-pagedllm-replica`` header.
+that cannot be reached (connect error, or a 503 saying it is loading, draining or dead) is taken
+out and the request goes to the next one. A replica that was reached but dropped the connection
+(before or while answering) is taken out only if its /health then fails too: a client's bad
+request (a body the replica refuses with 413 and closes on, say) never takes a replica out --
+that request alone ends with a 502 (or, mid-stream, an OpenAI error event and [DONE]); a 4xx is
+relayed as it is. Before anything is read or forwarded, ``http_guard.guard_body`` checks the
+router's API key (``--api-key``; the replicas check theirs too: the Authorization header is
+passed through) and reads the body bounded in size (413) and time between chunks (408), on
+every route. Each answer names its replica in the ``x-pagedllm-replica`` header.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pagedllm.entrypoints.http_guard import guard_body
 from pagedllm.entrypoints.router.metrics import CONTENT_TYPE, merge_backend_metrics, router_metrics
 from pagedllm.entrypoints.router.replicas import POLICIES, Choice, ReplicaSet
 
@@ -29,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 _FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id", "x-request-timeout", "accept")
 _FORWARD_RESPONSE_HEADERS = ("retry-after", "x-request-id")
+_JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 _RETRY_CODES = {"loading", "shutting_down", "engine_dead"}  # a 503 the request never reached an engine for
 
 
@@ -48,6 +55,8 @@ class RouterArgs:
     retry_max_s: float = 30.0
     connect_timeout_s: float = 5.0
     max_request_body_size: int = 64 << 20
+    http_read_timeout: float = 30.0  # seconds to receive a request's headers, and between body chunks
+    api_key: Optional[str] = None  # checked here before a body is read (None: only the replicas check)
     chat_template: Optional[str] = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -64,11 +73,14 @@ class RouterArgs:
             raise ValueError(f"router: --index-capacity-blocks must be >= 1, got {self.index_capacity_blocks}")
         if self.health_interval_s <= 0 or self.retry_min_s <= 0 or self.retry_max_s < self.retry_min_s:
             raise ValueError("router: need health_interval_s > 0 and 0 < retry_min_s <= retry_max_s")
+        if self.max_request_body_size < 1 or not self.http_read_timeout > 0:
+            raise ValueError("router: need max_request_body_size >= 1 byte and http_read_timeout > 0")
 
 
-def _error(status: int, message: str, code: str, replica: Optional[int] = None) -> JSONResponse:
+def _error(status: int, message: str, code: str, replica: Optional[int] = None,
+           headers: Optional[dict[str, str]] = None) -> JSONResponse:
     kind = "server_error" if status >= 500 else "invalid_request_error"
-    headers = {"x-pagedllm-replica": str(replica)} if replica is not None else None
+    headers = {**(headers or {}), **({"x-pagedllm-replica": str(replica)} if replica is not None else {})} or None
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
                         status_code=status, headers=headers)
 
@@ -78,9 +90,29 @@ def _error_event(message: str, code: str) -> bytes:
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
 
 
+def _guard_error(status: int, message: str, code: str, headers: Optional[dict[str, str]] = None) -> JSONResponse:
+    return _error(status, message, code, headers=headers)
+
+
+class RouterGuard:
+    """Pure ASGI, outermost: ``http_guard.guard_body`` (the API key, then the bounded body)."""
+
+    def __init__(self, app, state: "RouterState") -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        receive = await guard_body(scope, receive, send, self.state, _guard_error, _JSON_PATHS, _OPEN_PATHS)
+        if receive is not None:
+            await self.app(scope, receive, send)
+
+
 class RouterState:
     def __init__(self, args: RouterArgs, hasher=None) -> None:
         self.args = args
+        self.api_key, self.max_body_size, self.http_read_timeout = (args.api_key, args.max_request_body_size,
+                                                                    args.http_read_timeout)
         self.replicas = ReplicaSet(args.backends, args.policy, args.index_capacity_blocks, args.max_load_imbalance,
                                    args.retry_min_s, args.retry_max_s, args.min_prefix_ratio)
         self.hasher = hasher if hasher is not None else self._load_hasher()
@@ -125,6 +157,22 @@ class RouterState:
         else:
             self._down(replica, f"/health answered {resp.status_code}")
 
+    async def _fault(self, replica, why: str) -> bool:
+        """A replica dropped a connection it had accepted: take it out (True) only if its
+        /health fails now too; a healthy one closed on that request (e.g. a body it refused)."""
+        import httpx
+
+        try:
+            resp = await self.client.get(f"{replica.url}/health", timeout=self.args.connect_timeout_s)
+            if resp.status_code == 200:
+                logger.info("replica %d dropped a request (%s) and is healthy: kept", replica.id, why)
+                return False
+            why += f"; /health answered {resp.status_code}"
+        except httpx.HTTPError as e:
+            why += f"; /health: {type(e).__name__}"
+        self._down(replica, why)
+        return True
+
     def _down(self, replica, why: str) -> None:
         if replica.healthy:
             logger.warning("replica %d (%s) taken out: %s", replica.id, replica.url, why)
@@ -142,7 +190,7 @@ class RouterState:
         import httpx
 
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
-        tried = []
+        tried, dropped = [], 0
         while True:
             choice: Optional[Choice] = self.replicas.choose(hashes, exclude=tried, count=count)
             if choice is None:
@@ -154,11 +202,23 @@ class RouterState:
                 req = self.client.build_request(raw.method, replica.url + path, content=body, headers=headers,
                                                 params=raw.query_params)
                 resp = await self.client.send(req, stream=True)
-            except httpx.TransportError as e:  # it never answered: safe to try the next replica
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # not reached: try the next replica
                 self.replicas.finish(replica)
                 self._down(replica, f"{type(e).__name__}: {e}")
                 tried.append(replica)
                 continue
+            except httpx.TransportError as e:  # reached, and the connection dropped before an answer
+                self.replicas.finish(replica)
+                if await self._fault(replica, f"{type(e).__name__}: {e}"):
+                    tried.append(replica)
+                    continue
+                dropped += 1
+                if dropped == 1:  # a stale kept-alive connection, perhaps: once more (a fresh one)
+                    continue
+                self.proxy_errors += 1
+                return _error(502, f"replica {replica.id} closed the connection on this request twice without "
+                                   f"answering ({type(e).__name__}), though it is healthy: check the request "
+                                   "(its size, say)", "replica_closed", replica.id)
             if resp.status_code == 503:
                 data = await resp.aread()
                 await resp.aclose()
@@ -187,7 +247,7 @@ class RouterState:
                 data = await resp.aread()
             except httpx.HTTPError as e:
                 self.proxy_errors += 1
-                self._down(replica, f"{type(e).__name__} mid-answer: {e}")
+                await self._fault(replica, f"{type(e).__name__} mid-answer: {e}")
                 return _error(502, f"replica {replica.id} failed while answering: {e}", "replica_failed", replica.id)
             finally:
                 await resp.aclose()
@@ -200,7 +260,7 @@ class RouterState:
                     yield chunk
             except httpx.HTTPError as e:
                 self.proxy_errors += 1
-                self._down(replica, f"{type(e).__name__} mid-stream: {e}")
+                await self._fault(replica, f"{type(e).__name__} mid-stream: {e}")
                 yield _error_event(f"replica {replica.id} failed mid-stream: {e}", "replica_failed")
             finally:
                 await resp.aclose()
@@ -258,24 +318,20 @@ def build_router_app(args: RouterArgs, hasher=None, transport=None) -> FastAPI:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per proxied request and health poll
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
     app.state.router = state
+    app.add_middleware(RouterGuard, state=state)
+
+    def block_hashes(path: str, body: bytes) -> list[bytes]:
+        try:
+            parsed: Any = json.loads(body)
+        except (ValueError, RecursionError):  # the replica answers it with its 400
+            return []
+        return state.hasher.block_hashes(path, parsed) if isinstance(parsed, dict) else []
 
     async def routed(raw: Request, path: str) -> Response:
-        declared = raw.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > args.max_request_body_size:  # refused before it is read
-            return _error(413, f"the request body is larger than {args.max_request_body_size} bytes",
-                          "request_too_large")
-        body = await raw.body()
-        if len(body) > args.max_request_body_size:
-            return _error(413, f"the request body is larger than {args.max_request_body_size} bytes",
-                          "request_too_large")
+        body = await raw.body()  # read (bounded) by RouterGuard
         hashes: list[bytes] = []
         if state.hasher is not None and state.replicas.policy != "round_robin":
-            try:
-                parsed: Any = json.loads(body)
-            except ValueError:
-                parsed = None
-            if isinstance(parsed, dict):
-                hashes = await asyncio.to_thread(state.hasher.block_hashes, path, parsed)
+            hashes = await asyncio.to_thread(block_hashes, path, body)
         return await state.proxy(raw, path, body, hashes)
 
     @app.post("/v1/completions")
@@ -298,7 +354,7 @@ def build_router_app(args: RouterArgs, hasher=None, transport=None) -> FastAPI:
     async def models(raw: Request):
         return await state.proxy(raw, "/v1/models", b"", [], count=False)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         up = state.replicas.healthy()
         if up:

@@ -144,6 +144,7 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     is 1 when every replica exited on its own (e.g. a start-up error), else 0."""
     import uvicorn
 
+    from pagedllm.entrypoints.http_guard import h11_protocol
     from pagedllm.entrypoints.router.app import build_router_app
     from pagedllm.entrypoints.router.server import router_args_from
 
@@ -164,7 +165,8 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     api_key = args.api_key or envs.api_key()  # to the children by environment, not in their command lines
     replicas = Replicas(commands, [{**e, **({"PAGEDLLM_API_KEY": api_key} if api_key else {})} for e in gpu_env])
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout))
+                                           timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout,
+                                           http=h11_protocol(rargs.http_read_timeout)))
     failed = threading.Event()
 
     def watch() -> None:

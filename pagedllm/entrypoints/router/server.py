@@ -41,14 +41,24 @@ def add_router_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' here, before a body is read (env PAGEDLLM_API_KEY)")
+    p.add_argument("--max-request-body-size", type=int, default=64 << 20,
+                   help="largest request body in bytes (413 above it; default 64 MiB)")
+    p.add_argument("--http-read-timeout", type=float, default=30.0,
+                   help="seconds to receive a request's headers, and between its body's chunks (408; default 30)")
     add_router_args(p)
 
 
 def router_args_from(args: argparse.Namespace, backends, model: Optional[str], tokenizer: Optional[str],
                      served_model_names, block_size: int, chat_template: Optional[str]):
+    from pagedllm import envs
     from pagedllm.entrypoints.router.app import RouterArgs
 
+    bounds = {"max_request_body_size": getattr(args, "max_request_body_size", None),
+              "http_read_timeout": getattr(args, "http_read_timeout", None)}
     return RouterArgs(
+        api_key=getattr(args, "api_key", None) or envs.api_key(), **{k: v for k, v in bounds.items() if v is not None},
         backends=tuple(backends), model=model, tokenizer=tokenizer, served_model_names=tuple(served_model_names or ()),
         block_size=block_size, policy=args.routing, index_capacity_blocks=args.router_index_blocks,
         max_load_imbalance=args.router_max_load_imbalance, min_prefix_ratio=args.router_min_prefix_ratio, health_interval_s=args.router_health_interval,
@@ -63,9 +73,12 @@ def serve_router(rargs, stop_requested=lambda: False) -> int:
 
     from pagedllm.entrypoints.router.app import build_router_app
 
+    from pagedllm.entrypoints.http_guard import h11_protocol
+
     app = build_router_app(rargs)
     server = uvicorn.Server(uvicorn.Config(app, host=rargs.host, port=rargs.port, log_level=rargs.log_level,
-                                           timeout_keep_alive=5, timeout_graceful_shutdown=30))
+                                           timeout_keep_alive=5, timeout_graceful_shutdown=30,
+                                           http=h11_protocol(rargs.http_read_timeout)))
     if not stop_requested():
         server.run()
     return 0

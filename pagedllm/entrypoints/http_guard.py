@@ -1,0 +1,160 @@
+"""What every HTTP front of ours (the OpenAI server, the router) does with a request before its
+app sees it: the API key is checked before a byte of the body is read, and the body -- on every
+route and method -- is read here, bounded in size (413, also for a chunked body without a
+Content-Length) and in the time between chunks (408), then replayed to the app. Nothing here
+imports the engine (the router runs without it)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import Callable, Collection, Optional
+
+ErrorFactory = Callable[..., object]  # (status, message, code, headers) -> an ASGI response
+
+
+def authorized(headers: dict, key: bytes) -> bool:
+    """Whether the request's ``Authorization: Bearer <key>`` header carries ``key``."""
+    scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key)
+
+
+def has_body(headers: dict) -> bool:
+    """Whether the request says it carries a body (a Content-Length above 0, or chunked)."""
+    return headers.get(b"content-length", b"0").strip() not in (b"0", b"") or b"transfer-encoding" in headers
+
+
+def declared_length(headers: dict) -> int:
+    try:
+        return int(headers.get(b"content-length", b"-1"))
+    except ValueError:
+        return -1
+
+
+async def read_body(receive, limit: int, timeout: float):
+    """The whole body, read at most ``limit`` bytes far with at most ``timeout`` seconds between
+    chunks: bytes, or ``("too_large", size)`` / ``("timeout", None)`` / ``("disconnect", None)``."""
+    chunks, size = [], 0
+    while True:
+        try:
+            message = await asyncio.wait_for(receive(), timeout)
+        except asyncio.TimeoutError:
+            return "timeout", None
+        if message["type"] == "http.disconnect":
+            return "disconnect", None
+        body = message.get("body", b"")
+        size += len(body)
+        if size > limit:
+            return "too_large", size
+        chunks.append(body)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def too_large_message(size: int, limit: int) -> str:
+    return (f"the request body is {'at least ' if size <= limit else ''}{size} bytes; this server accepts at most "
+            f"{limit} (--max-request-body-size)")
+
+
+async def guard_body(scope, receive, send, state, error: ErrorFactory, json_paths: Collection[str],
+                     open_paths: Collection[str]) -> Optional[Callable]:
+    """Check one HTTP request; answer it here (401, 413, 408, 415; None returned) or return the
+    ``receive`` the app gets (the body read and bounded, replayed). ``state`` gives ``api_key``
+    (None: no key), ``max_body_size`` (bytes) and ``http_read_timeout`` (seconds between chunks).
+    A refusal whose body was not read closes the connection (``Connection: close``)."""
+    headers = dict(scope["headers"])
+    body_coming = has_body(headers)
+    close = {"Connection": "close"} if body_coming else None
+    key = state.api_key
+    if key and scope["path"] not in open_paths and scope["method"] != "OPTIONS" \
+            and not authorized(headers, key.encode()):
+        await error(401, "Incorrect or missing API key: pass 'Authorization: Bearer <key>'.", "invalid_api_key",
+                    close)(scope, receive, send)
+        return None
+    if scope["method"] == "POST" and scope["path"] in json_paths:
+        ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            await error(415, f"the Content-Type must be application/json, got {ctype!r}", "unsupported_media_type",
+                        close)(scope, receive, send)
+            return None
+    elif not body_coming:
+        return receive
+    limit, timeout = state.max_body_size, state.http_read_timeout
+    declared = declared_length(headers)
+    body = await read_body(receive, limit, timeout) if declared <= limit else ("too_large", declared)
+    if isinstance(body, tuple):
+        what, size = body
+        if what == "too_large":
+            await error(413, too_large_message(size, limit), "request_too_large",
+                        {"Connection": "close"})(scope, receive, send)
+        elif what == "timeout":
+            await error(408, f"the request body was not received: nothing arrived for {timeout:g} s", "body_timeout",
+                        {"Connection": "close"})(scope, receive, send)
+        return None
+    replay = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive_replayed():
+        return replay.pop() if replay else await receive()
+
+    return receive_replayed
+
+
+def h11_protocol(header_timeout: float):
+    """uvicorn's h11 protocol, closing a connection that does not deliver a request's headers
+    within ``header_timeout`` seconds of connecting or of sending its first bytes after the
+    previous response (idle keep-alive connections are uvicorn's timeout_keep_alive), and
+    answering requests it cannot parse with our JSON error shape."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class _H11Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def _waiting_for_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout, self._expired)
+
+        def _expired(self) -> None:
+            self._header_timer = None
+            if self._waiting_for_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if self._waiting_for_headers():
+                self._arm()
+            super().data_received(data)
+            if not self._waiting_for_headers() and self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request it cannot parse (bad request line, headers, framing),
+            in our JSON error shape instead of plain text."""
+            import h11
+
+            data = json.dumps({"error": {"message": f"invalid HTTP request: {msg.rstrip('.')}",
+                                         "type": "invalid_request_error", "param": None,
+                                         "code": "invalid_http"}}).encode()
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                       (b"content-length", str(len(data)).encode())]
+            try:
+                for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=data),
+                              h11.EndOfMessage()):
+                    self.transport.write(self.conn.send(event))
+            except h11.LocalProtocolError:  # the connection's state allows no response: just close
+                pass
+            self.transport.close()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+    return _H11Protocol
