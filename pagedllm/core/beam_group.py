@@ -11,7 +11,8 @@ batched op and returns the group's top ``num_candidates`` continuations across a
 - the best ``width`` candidates that do not hit a stop become the next live beams;
 - candidates of rank < width that hit a stop become hypotheses scored
   ``cumulative logprob / (generated tokens ** length_penalty)`` (generated tokens include the
-  stop token), kept if among the best ``width`` hypotheses -- unless every slot is full and
+  stop token; compared in log space, ``score_key``, so that no penalty overflows), kept if
+  among the best ``width`` hypotheses -- unless every slot is full and
   early_stopping is True, or the early-stop heuristic already said nothing can improve;
 - the search ends when the heuristic says no running beam can beat the worst hypothesis
   (early_stopping False: at the current length; "never": at max length when the penalty is
@@ -22,6 +23,7 @@ Results are the hypotheses, best score first. Blocks and scheduling live in beam
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -33,6 +35,29 @@ EarlyStopping = Union[bool, str]  # True, False or "never"
 StopChecker = Callable[[list[int], int], Optional[str]]
 
 _NEG = -1.0e9  # HF's "no hypothesis here" score
+
+
+def score_key(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """Orders scores ``cum_logprob / length ** length_penalty`` exactly (higher key = higher
+    score) without computing the power: for cum < 0 the score is ``-exp(log(-cum) - p*log(len))``,
+    so the key is ``p*log(len) - log(-cum)``; cum = 0 scores 0, the best (key +inf). Never raises
+    for finite penalties and logprobs in [-inf, 0] (a huge penalty only saturates to +-inf)."""
+    if cum_logprob >= 0.0:
+        return math.inf
+    if cum_logprob == -math.inf:
+        return -math.inf
+    pl = length_penalty * math.log(length) if length > 1 else 0.0
+    return pl - math.log(-cum_logprob)
+
+
+def score_of_key(key: float) -> float:
+    """The score a key stands for, as a float (-0.0 / -inf where it underflows / overflows)."""
+    if key == math.inf:
+        return 0.0
+    try:
+        return -math.exp(-key)
+    except OverflowError:
+        return -math.inf
 
 
 def candidates_per_step(width: int, num_stop_tokens: int) -> int:
@@ -133,9 +158,8 @@ class BeamGroup:
 
     def _add_hypothesis(self, parent: Request, tok: int, cum: float, idx: int, cands: BeamCandidates,
                         stop_str: Optional[str], at_max: bool) -> None:
-        gen_len = parent.num_output_tokens + 1
-        score = cum / (gen_len ** self.length_penalty)
-        if len(self.hypotheses) >= self.width and score <= self.hypotheses[-1].score:
+        key = score_key(cum, parent.num_output_tokens + 1, self.length_penalty)
+        if len(self.hypotheses) >= self.width and key <= self._key(self.hypotheses[-1]):
             return
         sp = parent.sampling_params
         if stop_str is not None:
@@ -146,9 +170,9 @@ class BeamGroup:
             reason, stop_reason = "length", None
         trace = self.traces[parent.request_id]
         lps = trace.logprobs + [self._logprob_row(cands, idx)] if cands.logprobs is not None else None
-        hyp = BeamHypothesis(parent.output_token_ids + [tok], cum, score, lps, reason, stop_reason)
+        hyp = BeamHypothesis(parent.output_token_ids + [tok], cum, score_of_key(key), lps, reason, stop_reason)
         self.hypotheses.append(hyp)
-        self.hypotheses.sort(key=lambda h: -h.score)  # stable: an earlier equal score stays first
+        self.hypotheses.sort(key=lambda h: -self._key(h))  # stable: an earlier equal score stays first
         del self.hypotheses[self.width:]
 
     def _update_heuristic(self, cands: BeamCandidates, nxt: list[tuple[Request, int, int]], gen_len: int,
@@ -160,7 +184,11 @@ class BeamGroup:
             length = max_tokens
         else:
             length = gen_len
-        self.improvement_possible = best_running / (length ** self.length_penalty) > self.hypotheses[-1].score
+        self.improvement_possible = (score_key(best_running, length, self.length_penalty)
+                                     > self._key(self.hypotheses[-1]))
+
+    def _key(self, h: BeamHypothesis) -> float:
+        return score_key(h.cum_logprob, len(h.token_ids), self.length_penalty)
 
     # ---- results ----------------------------------------------------------------------------
     def results(self) -> list[BeamHypothesis]:
@@ -172,8 +200,8 @@ class BeamGroup:
                 t = self.traces.get(b.request_id)
                 if t is None or not b.output_token_ids:
                     continue
-                score = t.cum_logprob / (b.num_output_tokens ** self.length_penalty)
+                score = score_of_key(score_key(t.cum_logprob, b.num_output_tokens, self.length_penalty))
                 out.append(BeamHypothesis(list(b.output_token_ids), t.cum_logprob, score,
                                           t.logprobs if t.logprobs else None, "abort", None))
-            out.sort(key=lambda h: -h.score)
+            out.sort(key=lambda h: -self._key(h))
         return out[: self.width]

@@ -16,6 +16,7 @@ A group's live beams sit next to each other in ``running`` (and in ``waiting``),
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -25,6 +26,8 @@ from pagedllm.core.contracts import BeamRow, EngineCoreOutput, ModelRunnerOutput
 from pagedllm.core.request import Request, RequestStatus
 
 Scheduler = Any  # core/scheduler.py's Scheduler, which imports this module (no import back: no cycle)
+
+logger = logging.getLogger(__name__)
 
 ADMITTED, SKIPPED, BLOCKED = "admitted", "skipped", "blocked"
 
@@ -158,20 +161,37 @@ def apply_candidates(sched: Scheduler, runner_output: ModelRunnerOutput) -> list
         if not set(cands.parent_ids) <= live or any(
                 b.status != RequestStatus.RUNNING or b.num_computed_tokens < b.num_tokens for b in group.beams):
             continue  # preempted or aborted while the step ran
-        nxt = group.advance(cands, sched.limits.max_model_len)
-        if group.done:
-            outputs.append(finish_group(sched, group, None))
-            continue
-        children = [_child(sched, group, parent, tok) for parent, tok, _ in nxt]
-        old = group.beams
-        k = sched.running.index(old[0])
-        sched.running[k:k + len(old)] = children
-        for b in old:
-            _retire(sched, b)
-        for c in children:
-            sched.requests[c.request_id] = c
-        group.adopt(children, nxt, cands)
+        try:  # a failure in one group's bookkeeping ends that search with "error", not the engine
+            out = _advance_group(sched, group, cands)
+        except Exception:
+            logger.exception("beam search %s: advancing it failed; it finishes with \"error\"", gid)
+            out = sched.fail_request(gid)[0]
+        if out is not None:
+            outputs.append(out)
     return outputs
+
+
+def _advance_group(sched: Scheduler, group: BeamGroup, cands) -> Optional[EngineCoreOutput]:
+    nxt = group.advance(cands, sched.limits.max_model_len)
+    if group.done:
+        return finish_group(sched, group, None)
+    children: list[Request] = []
+    try:
+        for parent, tok, _ in nxt:
+            children.append(_child(sched, group, parent, tok))
+    except Exception:
+        for c in children:  # their forked block references go back before the group fails
+            sched.kv.free(c)
+        raise
+    old = group.beams
+    k = sched.running.index(old[0])
+    sched.running[k:k + len(old)] = children
+    for b in old:
+        _retire(sched, b)
+    for c in children:
+        sched.requests[c.request_id] = c
+    group.adopt(children, nxt, cands)
+    return None
 
 
 def _child(sched: Scheduler, group: BeamGroup, parent: Request, token: int) -> Request:
@@ -210,7 +230,7 @@ def finish_group(sched: Scheduler, group: BeamGroup, status: Optional[RequestSta
         _retire(sched, b, uncache=status == RequestStatus.FINISHED_ERROR)
     sched.beam_groups.pop(group.group_id, None)
     group.done = True
-    results = group.results()
+    results = group.results() if status != RequestStatus.FINISHED_ERROR else []  # the failure path scores nothing
     reason = results[0].finish_reason if status is None and results else None
     if status is not None:
         reason = {RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}.get(status, "stop")

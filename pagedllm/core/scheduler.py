@@ -9,6 +9,7 @@ the front of the waiting queue) until it can, or until it is itself the victim.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
@@ -25,6 +26,8 @@ from pagedllm.core import beam_scheduling
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.lora_slots import AdapterSlots
 from pagedllm.core.request import Request, RequestStatus, finish_reason_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -321,41 +324,75 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None or req.is_finished or req.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted while the step ran
-            sampled = runner_output.sampled_token_ids[idx]
-            reserved = scheduler_output.num_spec_slots.get(rid, 0)
-            if reserved and sampled:
-                drafts = runner_output.num_draft_tokens[idx] if runner_output.num_draft_tokens is not None else 0
-                self._spec_settle(req, reserved, drafts, len(sampled))
-                spec_rows, spec_tokens, spec_drafts = spec_rows + 1, spec_tokens + len(sampled), spec_drafts + drafts
-            prompt_lp = runner_output.prompt_logprobs.get(rid)
-            if not sampled:
-                if prompt_lp is not None:
-                    outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=prompt_lp))
+            try:  # a failure here is this request's alone: it finishes with "error", the rest go on
+                counted = self._apply_sampled(req, idx, scheduler_output, runner_output, outputs)
+            except Exception:
+                logger.exception("request %s: applying its step output failed; it finishes with \"error\"", rid)
+                outputs.extend(self.fail_request(rid))
                 continue
-            new_ids: list[int] = []
-            status: Optional[RequestStatus] = None
-            for tok in sampled:
-                req.append_output_token(tok)
-                new_ids.append(tok)
-                status = self._check_stop(req, tok)
-                if status is not None:
-                    break
-            if status is not None:
-                self._finish(req, status)
-            outputs.append(
-                EngineCoreOutput(
-                    rid,
-                    new_ids,
-                    finish_reason=finish_reason_of(status) if status is not None else None,
-                    stop_reason=req.stop_reason,
-                    logprobs=runner_output.logprobs.get(rid),
-                    prompt_logprobs=prompt_lp,
-                    num_cached_tokens=max(req.num_cached_tokens, 0),
-                )
-            )
+            if counted:
+                spec_rows, spec_tokens, spec_drafts = (spec_rows + 1, spec_tokens + counted[0],
+                                                       spec_drafts + counted[1])
         if self.spec_governor is not None and self.limits.num_spec_tokens:
             self.spec_governor.verified(spec_tokens / spec_rows if spec_rows else 1.0, spec_drafts)
         return outputs
+
+    def _apply_sampled(self, req: Request, idx: int, scheduler_output: SchedulerOutput,
+                       runner_output: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> tuple[int, int]:
+        """Append one request's sampled tokens, check its stops, add its output. Returns
+        (tokens, drafts) of a speculative verification, for the governor, else ()."""
+        rid = req.request_id
+        counted: tuple[int, int] = ()
+        sampled = runner_output.sampled_token_ids[idx]
+        reserved = scheduler_output.num_spec_slots.get(rid, 0)
+        if reserved and sampled:
+            drafts = runner_output.num_draft_tokens[idx] if runner_output.num_draft_tokens is not None else 0
+            self._spec_settle(req, reserved, drafts, len(sampled))
+            counted = (len(sampled), drafts)
+        prompt_lp = runner_output.prompt_logprobs.get(rid)
+        if not sampled:
+            if prompt_lp is not None:
+                outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=prompt_lp))
+            return counted
+        new_ids: list[int] = []
+        status: Optional[RequestStatus] = None
+        for tok in sampled:
+            req.append_output_token(tok)
+            new_ids.append(tok)
+            status = self._check_stop(req, tok)
+            if status is not None:
+                break
+        if status is not None:
+            self._finish(req, status)
+        outputs.append(
+            EngineCoreOutput(
+                rid,
+                new_ids,
+                finish_reason=finish_reason_of(status) if status is not None else None,
+                stop_reason=req.stop_reason,
+                logprobs=runner_output.logprobs.get(rid),
+                prompt_logprobs=prompt_lp,
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+            )
+        )
+        return counted
+
+    def fail_request(self, rid: str) -> list[EngineCoreOutput]:
+        """Something raised for this request (or beam group) alone: it finishes with "error", its
+        blocks freed (and uncached: what they hold is suspect); the output tells its caller."""
+        group = rid in self.beam_groups  # a beam search's result: no hypotheses
+        try:
+            self.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+        except Exception:  # its bookkeeping is broken: forget it (its blocks may be lost), keep the engine
+            logger.exception("request %s: finishing it after a failure raised too", rid)
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                req.status = RequestStatus.FINISHED_ERROR
+                self.running[:] = [r for r in self.running if r is not req]
+                if req in self.waiting:
+                    self.waiting.remove(req)
+            self.beam_groups.pop(rid, None)
+        return [EngineCoreOutput(rid, [], finish_reason="error", beam_hypotheses=[] if group else None)]
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         sp = req.sampling_params

@@ -167,9 +167,22 @@ class AsyncLLM:
                 rid = cmd[1]
                 self._streams.pop(rid, None)
                 self._release(rid)
-                for out in self.engine.abort_request(rid):
-                    if self.on_finished is not None:
-                        self.on_finished(out)
+                try:
+                    finals = self.engine.abort_request(rid)
+                except Exception:  # this request's cleanup, not the engine's
+                    logger.exception("request %s: aborting it raised", rid)
+                    finals = []
+                for out in finals:
+                    self._notify_finished(out)
+
+    def _notify_finished(self, out: RequestOutput) -> None:
+        """The metrics callback; a failure there is logged, never the engine's."""
+        if self.on_finished is None:
+            return
+        try:
+            self.on_finished(out)
+        except Exception:
+            logger.exception("the on_finished callback raised for request %s", out.request_id)
 
     def _loop(self) -> None:
         try:
@@ -187,14 +200,16 @@ class AsyncLLM:
                 outputs = self.engine.step()
                 self.stats = self.engine.get_stats()
                 if self.on_step is not None:
-                    self.on_step(self.stats, time.perf_counter() - t0)
+                    try:
+                        self.on_step(self.stats, time.perf_counter() - t0)
+                    except Exception:
+                        logger.exception("the on_step callback raised")
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
                         self._streams.pop(out.request_id, None)
                         self._release(out.request_id)
-                        if self.on_finished is not None:
-                            self.on_finished(out)
+                        self._notify_finished(out)
                     if stream is not None:
                         if out.finished and any(c.finish_reason == "error" for c in out.outputs):
                             stream.put(RequestFailedError(

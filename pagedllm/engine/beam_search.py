@@ -9,6 +9,7 @@ tokenizer), and turns the finished hypotheses into one RequestOutput whose ``out
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -51,8 +52,8 @@ class BeamSearchParams:
             raise ValueError(f"temperature must be 0 for beam search (it is deterministic, as HF's "
                              f"do_sample=False), got {self.temperature!r}")
         if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
-                or self.length_penalty != self.length_penalty:
-            raise ValueError(f"length_penalty must be a number, got {self.length_penalty!r}")
+                or not math.isfinite(self.length_penalty):  # any finite value scores (in log space)
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.early_stopping not in (True, False, "never") or (
                 self.early_stopping in (0, 1) and not isinstance(self.early_stopping, bool)):
             raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
@@ -160,6 +161,12 @@ class BeamRequests:
                              metrics={"num_generated_tokens": sum(len(h.token_ids) for h in hyps),
                                       "arrival_time": br.arrival_time, "last_token_time": time.monotonic(),
                                       "beam_scores": [h.score for h in hyps]})
+
+    def fail(self, request_id: str) -> RequestOutput:
+        """The search's final output after a failure: finish reason "error", nothing decoded."""
+        br = self.requests.pop(request_id, None)
+        prompt, ids = (br.prompt, br.prompt_token_ids) if br is not None else (None, [])
+        return RequestOutput(request_id, prompt, ids, None, [CompletionOutput(0, "", [], None, None, "error")], True)
 
     def abort(self, request_id: str) -> Optional[RequestOutput]:
         br = self.requests.get(request_id)

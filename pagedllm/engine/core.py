@@ -123,7 +123,12 @@ class EngineCore:
         return self.executor.execute(so, grammar=grammar)
 
     def _update(self, so, runner_output) -> list[EngineCoreOutput]:
-        outputs = self.scheduler.update_from_output(so, runner_output)
+        try:  # each request is isolated inside; this is the last resort: the step's requests fail, not the engine
+            outputs = self.scheduler.update_from_output(so, runner_output)
+        except Exception:
+            logger.exception("applying a step's output failed (%d requests); they finish with \"error\"",
+                             len(so.num_scheduled_tokens))
+            outputs = [o for rid in so.num_scheduled_tokens for o in self.scheduler.fail_request(rid)]
         return self.structured.after_update(outputs, self.scheduler) if self.structured is not None else outputs
 
     def step(self) -> list[EngineCoreOutput]:

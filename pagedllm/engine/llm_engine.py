@@ -21,7 +21,7 @@ from pagedllm.models.config_json import load_generation_defaults, load_hf_config
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor, RequestState
 from pagedllm.engine.structured_outputs import StructuredOutputs
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import StructuredOutputManager
 from pagedllm.tokenizer.detokenizer import IncrementalDetokenizer
@@ -241,25 +241,67 @@ class LLMEngine:
         stopped: list[str] = []
         beam_results: list[RequestOutput] = []
         for out in core_outputs:
-            if out.req_id in self.beams:  # a beam search ended: its beam_width best sequences
-                beam_results.append(self.beams.finish(out))
-                continue
-            if out.req_id not in self.output_processor.states:
-                continue
-            st, stopped_by_string = self.output_processor.process(out)
-            if st.scheduled_time is None:  # start of the step that first produced output (queue time metric)
-                st.scheduled_time = step_start
-            if stopped_by_string:
-                stopped.append(out.req_id)
-            touched[st.parent_id] = None
+            is_beam = out.req_id in self.beams
+            try:  # detokenizing, stop strings, logprob dicts: a failure fails this request only
+                if is_beam:  # a beam search ended: its beam_width best sequences
+                    beam_results.append(self.beams.finish(out))
+                    continue
+                if out.req_id not in self.output_processor.states:
+                    continue
+                st, stopped_by_string = self.output_processor.process(out)
+                if out.finish_reason == "error" and len(self.parents[st.parent_id].child_ids) > 1:
+                    self._fail_children(out.req_id)  # its siblings stop too: the request has failed
+                if st.scheduled_time is None:  # start of the step that first produced output (queue time metric)
+                    st.scheduled_time = step_start
+                if stopped_by_string:
+                    stopped.append(out.req_id)
+                touched[st.parent_id] = None
+            except Exception:
+                logger.exception("request %s: processing its output failed; it finishes with \"error\"", out.req_id)
+                if is_beam:
+                    self.core.abort_requests([out.req_id], RequestStatus.FINISHED_ERROR)
+                    beam_results.append(self.beams.fail(out.req_id))
+                else:
+                    pid = self._fail_children(out.req_id)
+                    if pid is not None:
+                        touched[pid] = None
         if stopped:
             self.core.abort_requests(stopped, RequestStatus.FINISHED_STOPPED)
         results = beam_results
         for pid in touched:
-            ro = self._make_output(self.parents[pid])
+            try:
+                ro = self._make_output(self.parents[pid])
+            except Exception:
+                logger.exception("request %s: building its output failed; it finishes with \"error\"", pid)
+                self._fail_children(self.parents[pid].child_ids[0])
+                ro = self._error_output(self.parents[pid])
             if ro is not None:
                 results.append(ro)
         return results
+
+    def _fail_children(self, child_id: str) -> Optional[str]:
+        """One child's output could not be processed: the whole request (all n children) ends
+        with "error" in the core and here. Returns its parent id (None if unknown)."""
+        pid = self.child_to_parent.get(child_id)
+        parent = self.parents.get(pid) if pid is not None else None
+        if parent is None:
+            return None
+        self.core.abort_requests(parent.child_ids, RequestStatus.FINISHED_ERROR)
+        for cid in parent.child_ids:
+            st = self.output_processor.states.get(cid)
+            if st is not None:
+                st.finish_reason, st.stop_reason = "error", None
+        return pid
+
+    def _error_output(self, parent: _Parent) -> RequestOutput:
+        """The final output of a failed request, built from nothing that could have raised."""
+        for c in parent.child_ids:
+            self.output_processor.remove(c)
+            self.child_to_parent.pop(c, None)
+        self.parents.pop(parent.request_id, None)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, None,
+                             [CompletionOutput(i, "", [], None, None, "error") for i in range(len(parent.child_ids))],
+                             True)
 
     def _make_output(self, parent: _Parent) -> Optional[RequestOutput]:
         states = [self.output_processor.states[c] for c in parent.child_ids]

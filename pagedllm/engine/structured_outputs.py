@@ -52,11 +52,11 @@ class StructuredOutputs:
             del self.compiling[rid]
             try:
                 self.manager.start(rid, fut.result(), req.output_token_ids)
+                scheduler.add_request(req)
             except Exception as e:
                 logger.error("request %s: its structured output constraint failed: %s", rid, e)
+                self.manager.remove(rid)
                 outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
-                continue
-            scheduler.add_request(req)
         return outputs
 
     def grammar(self, so: SchedulerOutput, scheduler: Scheduler) -> Optional[StepGrammar]:
@@ -74,15 +74,25 @@ class StructuredOutputs:
             return outputs
         result = []
         for out in outputs:
-            req = scheduler.requests.get(out.req_id)
-            adv = None
-            if out.new_token_ids and req is not None:
-                adv = self.manager.advance(out.req_id, out.new_token_ids, req.sampling_params._all_stop_token_ids)
-            if adv is not None and out.finish_reason is None and (adv.rejected or adv.terminated):
-                status = RequestStatus.FINISHED_ERROR if adv.rejected else RequestStatus.FINISHED_STOPPED
-                scheduler.finish_requests([out.req_id], status)
-                out = dataclasses.replace(out, finish_reason="error" if adv.rejected else "stop")
-            if out.finish_reason is not None:
+            try:  # a matcher that raises fails its request only
+                out = self._advance(out, scheduler)
+            except Exception:
+                logger.exception("request %s: advancing its grammar failed; it finishes with \"error\"", out.req_id)
+                scheduler.fail_request(out.req_id)
+                out = dataclasses.replace(out, finish_reason="error")
                 self.manager.remove(out.req_id)
             result.append(out)
         return result
+
+    def _advance(self, out: EngineCoreOutput, scheduler: Scheduler) -> EngineCoreOutput:
+        req = scheduler.requests.get(out.req_id)
+        adv = None
+        if out.new_token_ids and req is not None:
+            adv = self.manager.advance(out.req_id, out.new_token_ids, req.sampling_params._all_stop_token_ids)
+        if adv is not None and out.finish_reason is None and (adv.rejected or adv.terminated):
+            status = RequestStatus.FINISHED_ERROR if adv.rejected else RequestStatus.FINISHED_STOPPED
+            scheduler.finish_requests([out.req_id], status)
+            out = dataclasses.replace(out, finish_reason="error" if adv.rejected else "stop")
+        if out.finish_reason is not None:
+            self.manager.remove(out.req_id)
+        return out

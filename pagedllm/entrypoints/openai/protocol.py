@@ -49,7 +49,8 @@ def _check_text(value: Any) -> None:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # allow_inf_nan=False: NaN / Infinity (which Python's JSON reader accepts) are refused, naming the field
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator("*", mode="after")
     @classmethod
