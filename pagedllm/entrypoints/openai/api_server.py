@@ -40,6 +40,8 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingOptions, ShuttingDown
 from pagedllm.entrypoints.openai import lora_modules
+from pagedllm.entrypoints.openai.responses import ServingResponses
+from pagedllm.entrypoints.openai.responses_protocol import DeletedResponse, InputItemList, ResponsesRequest
 from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.middleware import InternalErrors, RequestGuard, error_response, h11_protocol, json_response
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
@@ -139,7 +141,9 @@ class ServerState:
         options = ServingOptions(self.args.trust_request_chat_template, self.template_sandbox,
                                  self.args.request_timeout, self.chat_template, self.args.enable_auto_tool_choice,
                                  self.args.tool_call_parser)
-        self.serving = OpenAIServing(engine, self.served_model_names, self.model_path, options)
+        serving = OpenAIServing(engine, self.served_model_names, self.model_path, options)
+        self.responses = ServingResponses(serving)  # before serving: a request that finds serving finds this
+        self.serving = serving
         self.max_body_size = self.args.max_request_body_size or default_max_body_size(
             self.serving.input_processor.max_prompt_chars, engine.max_model_len)
         self.ready_seconds = time.monotonic() - self.started
@@ -332,6 +336,43 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         serving = state.require()
         timeout = _timeout(raw)
         return await _generate(raw, lambda: serving.create_chat_completion(req, timeout))
+
+    @app.post("/v1/responses")
+    async def responses(req: ResponsesRequest, raw: Request):
+        state.require()
+        timeout = _timeout(raw)
+        return await _generate(raw, lambda: state.responses.create(req, timeout))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        state.require()
+        return json_response(state.responses.retrieve(response_id))
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        state.require()
+        state.responses.delete(response_id)
+        return json_response(DeletedResponse(id=response_id))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        state.require()
+        return json_response(await state.responses.cancel(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str):
+        state.require()
+        items = state.responses.input_items(response_id)
+        return json_response(InputItemList(data=items, first_id=None, last_id=None))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model_card(model_id: str):
+        max_len = state.engine.max_model_len if state.serving is not None else None
+        cards = [ModelCard(id=n, root=state.model_path, max_model_len=max_len) for n in state.served_model_names]
+        for card in cards + lora_modules.lora_model_cards(state.serving, max_len):
+            if card.id == model_id:
+                return json_response(card)
+        raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
 
     @app.get("/v1/models")
     async def models():

@@ -514,6 +514,14 @@ class OpenAIServing:
         return dict(kwargs or {})
 
     async def create_chat_completion(self, req: ChatCompletionRequest, timeout: Optional[float] = None):
+        streams, rid, model, prompt_len, plan = await self.start_chat(req, timeout)
+        if req.stream:
+            return streams, self._chat_stream(req, streams, rid, model, prompt_len, plan)
+        return await self._chat_full(req, streams, rid, model, prompt_len, plan)
+
+    async def start_chat(self, req: ChatCompletionRequest, timeout: Optional[float] = None, request_id: Optional[str] = None):
+        """Validate, render and admit a chat request: (streams, id, model name, prompt length, tool
+        plan). /v1/chat/completions and /v1/responses both start their generations here."""
         model = self.check_model(req.model)
         plan = tc.plan_tools(req, self.options.enable_auto_tool_choice, self.options.tool_call_parser, _bad_request)
         ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages"))[1]
@@ -531,11 +539,9 @@ class OpenAIServing:
                                    f"{request_constraint(req, _bad_request)[1]}: pass one", "tool_choice")
             params.structured_outputs = plan.constraint
         await self._check_constraint(req, params, "tools" if plan.constraint is not None else None)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        rid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
         streams = await self._start([({"prompt_token_ids": ids}, params, rid)], self._timeout(req, timeout), model)
-        if req.stream:
-            return streams, self._chat_stream(req, streams, rid, model, len(ids), plan)
-        return await self._chat_full(req, streams, rid, model, len(ids), plan)
+        return streams, rid, model, len(ids), plan
 
     def _chat_lps(self, req, token_ids, logprobs):
         if not req.logprobs:
