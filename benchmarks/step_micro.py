@@ -52,10 +52,10 @@ def prompts(n: int) -> list[list[int]]:
 
 def child_pagedllm(cfg: dict) -> dict:
     """Runs in the measured process: the thread decision, then ms/step per B."""
+    from pagedllm import LLM, SamplingParams  # first: it chooses OpenMP's wait policy before torch loads
     from pagedllm.worker.cpu_threads import decide_cpu_threads, read_cpu_facts
 
     decision = decide_cpu_threads(read_cpu_facts(), env=os.environ).as_dict()
-    from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=cfg["model"], dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=max(cfg["batches"]),
               kv_cache_memory=1 << 30, seed=0)
@@ -72,8 +72,20 @@ def child_pagedllm(cfg: dict) -> dict:
     import torch
 
     decision["torch_threads"] = torch.get_num_threads()
+    worker = _in_process_worker(llm)
+    governor = getattr(worker, "thread_governor", None)
+    decision["governor_switches"] = governor.switches if governor is not None else None
     llm.engine.shutdown()
     return {"ms_per_step": results, "threads": decision}
+
+
+def _in_process_worker(llm):
+    """The engine's worker where it runs in this process (None otherwise): its thread governor's record."""
+    for name in ("engine_core", "core"):
+        core = getattr(llm.engine, name, None)
+        if core is not None:
+            return getattr(getattr(core, "executor", None), "worker", None)
+    return None
 
 
 VLLM_CHILD = r"""
@@ -216,6 +228,7 @@ def main() -> None:
                     row.update({f"B={b}": res["ms_per_step"][str(b)] for b in cfg["batches"]})
                     if "threads" in res:
                         row["threads"] = res["threads"]["torch_threads"]
+                        row["switches"] = res["threads"].get("governor_switches")
                 rows.append(row)
                 print(f"{name} round {rnd}: {res.get('ms_per_step', res.get('error', '')[:200])}", flush=True)
     finally:
@@ -223,7 +236,7 @@ def main() -> None:
     load_after = load_average()
     print(f"\nms per step (B requests, {PROMPT_LEN}-token prompts, {DECODE_TOKENS} greedy tokens); "
           f"{args.neighbours} busy neighbours; load {load_before} -> {load_after}; CPU flags {' '.join(cpu_flags())}")
-    print_table(rows, ["run", "round", "load"] + [f"B={b}" for b in cfg["batches"]] + ["threads", "error"])
+    print_table(rows, ["run", "round", "load"] + [f"B={b}" for b in cfg["batches"]] + ["threads", "switches", "error"])
     write_json(args.out, {"benchmark": "step_micro", "argv": sys.argv, "neighbours": args.neighbours,
                           "cpu_flags": cpu_flags(), "load_before": load_before, "load_after": load_after,
                           "affinity": sorted(os.sched_getaffinity(0)), "runs": records})

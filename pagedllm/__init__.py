@@ -9,6 +9,10 @@ __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutp
 
 
 def __getattr__(name: str):
+    if name in ("LLM", "AsyncLLM"):  # OpenMP's wait policy, before torch loads (worker/cpu_threads.py)
+        from pagedllm.worker.cpu_threads import apply_omp_environment
+
+        apply_omp_environment()
     if name == "LLM":
         from pagedllm.entrypoints.llm import LLM
 

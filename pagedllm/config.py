@@ -122,6 +122,9 @@ class EngineConfig:
     cpu_kv_cache_prefault: bool = False  # fault the KV cache's pages in at start-up, not at first write (worker/cpu_memory.py)
     cpu_threads: Optional[int] = field(default_factory=envs.cpu_threads)
     cpu_threads_bind: Optional[str] = field(default_factory=envs.cpu_threads_bind)
+    # one intra-op thread while the cores are oversubscribed (worker/cpu_threads.ThreadGovernor);
+    # never with an explicit cpu_threads
+    cpu_threads_adapt: bool = field(default_factory=envs.cpu_threads_adapt)
     # linear layers' GEMM per weight shape: "auto" (pagedllm's or oneDNN's, timed at start-up and cached
     # per CPU: layers/gemm_select.py), "pagedllm" or "onednn"
     cpu_gemm: str = field(default_factory=envs.cpu_gemm)
@@ -258,13 +261,16 @@ def _cuda_device_present() -> bool:
                                                   and os.listdir("/proc/driver/nvidia/gpus"))
 
 
+def runs_on_cpu(device: Optional[str]) -> bool:
+    """Whether an engine with this ``device`` setting runs on CPU: "cpu", or "auto" on a host without a GPU."""
+    device = device or "auto"
+    return device == "cpu" or (device == "auto" and not _cuda_device_present())
+
+
 def serve_default_max_num_seqs(device: Optional[str]) -> int:
     """max_num_seqs of the OpenAI server when the flag is not given: CPU_SERVE_MAX_NUM_SEQS where
-    the engine runs on CPU (device "cpu", or "auto" on a host without a GPU), else EngineConfig's."""
-    default = EngineConfig.__dataclass_fields__["max_num_seqs"].default
-    device = device or "auto"
-    on_cpu = device == "cpu" or (device == "auto" and not _cuda_device_present())
-    return CPU_SERVE_MAX_NUM_SEQS if on_cpu else default
+    the engine runs on CPU, else EngineConfig's."""
+    return CPU_SERVE_MAX_NUM_SEQS if runs_on_cpu(device) else EngineConfig.__dataclass_fields__["max_num_seqs"].default
 
 
 def resolve_max_waiting_requests(config: EngineConfig) -> int:

@@ -11,11 +11,13 @@ API key, which operators prefer to keep out of process listings.
 | PAGEDLLM_CPU_KEEP_FREED_MEMORY=0  | EngineConfig.cpu_keep_freed_memory  |
 | PAGEDLLM_THREADS_PER_RANK=N       | EngineConfig.cpu_threads            |
 | PAGEDLLM_CPU_THREADS_BIND=...     | EngineConfig.cpu_threads_bind       |
+| PAGEDLLM_CPU_THREADS_ADAPT=0      | EngineConfig.cpu_threads_adapt (-> False) |
 | PAGEDLLM_CPU_GEMM=auto|pagedllm|onednn | EngineConfig.cpu_gemm          |
 | PAGEDLLM_API_KEY                  | ``pagedllm serve --api-key``        |
 | CXX                               | the CPU kernels' compiler (c++)     |
 | LOCAL_WORLD_SIZE (set by torchrun) | ranks sharing this host's memory    |
 | CUDA_VISIBLE_DEVICES              | GPUs split across data-parallel replicas |
+| OMP_WAIT_POLICY, GOMP_SPINCOUNT   | OpenMP's idle threads; when neither is set, pagedllm sets OMP_WAIT_POLICY=PASSIVE on a host whose load average is at or above its CPUs at start-up (worker/cpu_threads.choose_omp_environment) |
 """
 from __future__ import annotations
 
@@ -59,6 +61,10 @@ def cpu_threads() -> Optional[int]:
 
 def cpu_threads_bind() -> Optional[str]:
     return _get("PAGEDLLM_CPU_THREADS_BIND")
+
+
+def cpu_threads_adapt() -> bool:
+    return _get("PAGEDLLM_CPU_THREADS_ADAPT") != "0"
 
 
 def cpu_gemm() -> str:

@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig, default_model_path, serve_default_max_num_seqs
+from pagedllm.config import EngineConfig, default_model_path, runs_on_cpu, serve_default_max_num_seqs
 from pagedllm.config import parse_size as config_parse_size
 
 _HELP = {
@@ -67,6 +67,8 @@ _HELP = {
                              "each block's first write: slower start-up, no first-touch cost while serving",
     "cpu_threads": "torch threads per rank on CPU (default: all cores with one rank, cores / ranks with tensor "
                    "parallelism, or the bound CPUs' count; env PAGEDLLM_THREADS_PER_RANK)",
+    "cpu_threads_adapt": "on CPU, drop to one intra-op thread while the cores are oversubscribed (run-queue waits) "
+                         "and go back once they are free (default on; off with an explicit --cpu-threads)",
     "cpu_threads_bind": "bind each rank's threads to CPUs: nobind, auto (the allowed CPUs split evenly across "
                         "ranks) or explicit lists per rank such as 0-3|4-7 (env PAGEDLLM_CPU_THREADS_BIND)",
     "speculative_config": "speculative decoding as JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
@@ -291,6 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if args.command in ("generate", "serve") and runs_on_cpu(getattr(args, "device", None)):
+            from pagedllm.worker.cpu_threads import apply_omp_environment
+
+            apply_omp_environment()  # before torch loads: libgomp reads it once (ranks and replicas inherit it)
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":

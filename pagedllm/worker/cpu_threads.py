@@ -188,10 +188,60 @@ def read_cpu_facts(cgroup_file: str = "/proc/self/cgroup", mountinfo: str = "/pr
 # -- the decision ------------------------------------------------------------------------------------
 
 def omp_wait_policy(env: Mapping[str, str]) -> str:
-    """How libgomp's idle threads wait in a process started with ``env``: the user's
-    OMP_WAIT_POLICY / GOMP_SPINCOUNT, else libgomp's default (spin ~300k iterations, then sleep)."""
+    """How libgomp's idle threads wait in a process started with ``env``: OMP_WAIT_POLICY /
+    GOMP_SPINCOUNT (the user's, or pagedllm's with its reason), else libgomp's default (spin ~300k
+    iterations, then sleep)."""
     chosen = [f"{k}={env[k]}" for k in OMP_WAIT_VARIABLES if env.get(k)]
-    return " ".join(chosen) if chosen else "libgomp default (spin, then sleep)"
+    if not chosen:
+        return "libgomp default (spin, then sleep)"
+    reason = env.get(OMP_WAIT_REASON)
+    return " ".join(chosen) + (f" (pagedllm: {reason})" if reason else " (the user's)")
+
+
+def omp_waits_spin(env: Mapping[str, str]) -> bool:
+    """Whether libgomp's idle threads spin before sleeping in a process started with ``env``."""
+    return env.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE" and env.get("GOMP_SPINCOUNT") not in ("0",)
+
+
+# Set beside OMP_WAIT_POLICY when pagedllm chose it (why), so ranks and replicas, which inherit the
+# environment, report it as pagedllm's choice and not the user's.
+OMP_WAIT_REASON = "PAGEDLLM_OMP_WAIT_REASON"
+
+
+def choose_omp_environment(facts: CpuFacts, env: Mapping[str, str], online_cpus: Optional[int] = None) -> dict[str, str]:
+    """The OpenMP environment to set before torch (and libgomp) loads; {} to leave libgomp's default.
+
+    libgomp reads its wait policy once, at load. Its default spins an idle thread ~300k iterations
+    (~ms) before sleeping: fastest on cores of our own (a parallel region starts and ends without a
+    futex wake; 1.3-1.5x on small models, docs/benchmarks.md issue 15), and ruinous on oversubscribed
+    ones, where a thread spins through its time slice waiting for a partner the scheduler took off
+    its core at every region (10-25x, issue 30). So: passive waiting when the host is oversubscribed
+    when the engine starts (the 1-minute load average at or above the online CPUs); else libgomp's
+    default, and ThreadGovernor takes the engine to one thread if the cores get oversubscribed later
+    (a wait policy cannot change once libgomp has loaded). The user's OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT always wins (OMP_WAIT_POLICY=ACTIVE / PASSIVE, or GOMP_SPINCOUNT=300000 for libgomp's
+    default even on a loaded host).
+    """
+    if any(env.get(k) for k in OMP_WAIT_VARIABLES):
+        return {}
+    cpus = online_cpus or os.cpu_count() or len(facts.affinity) or 1
+    if facts.load_average is not None and facts.load_average >= cpus:
+        return {"OMP_WAIT_POLICY": "PASSIVE",
+                OMP_WAIT_REASON: f"load average {facts.load_average:g} >= {cpus} CPUs at start-up"}
+    return {}
+
+
+def apply_omp_environment(env=None) -> dict[str, str]:
+    """choose_omp_environment for this process, applied to ``env`` (os.environ) if torch has not
+    loaded yet (after that libgomp would not read it). Returns what was set."""
+    import sys
+
+    env = os.environ if env is None else env
+    if "torch" in sys.modules:
+        return {}
+    chosen = choose_omp_environment(read_cpu_facts(), env)
+    env.update(chosen)
+    return chosen
 
 
 def decide_cpu_threads(facts: CpuFacts, requested_threads: Optional[int] = None, bind: Optional[str] = None,
@@ -245,3 +295,100 @@ def configure_cpu_threads(config: EngineConfig, rank: int, world_size: int,
         torch.set_num_threads(decision.threads)
     logger.info("rank %d: %s", rank, decision.describe())
     return decision
+
+
+# -- fewer threads while the cores are oversubscribed --------------------------------------------
+
+def read_thread_run_wait(path: str = "/proc/thread-self/schedstat") -> Optional[int]:
+    """Nanoseconds the calling thread has waited on a run queue (runnable, not running), or None."""
+    text = _read(path)
+    try:
+        return int(text.split()[1]) if text else None
+    except (IndexError, ValueError):
+        return None
+
+
+def read_idle_seconds(cpus: tuple[int, ...], path: str = "/proc/stat") -> Optional[float]:
+    """Idle + iowait seconds so far of ``cpus`` (from /proc/stat's per-CPU lines), or None."""
+    text = _read(path)
+    if not text:
+        return None
+    want, total, tick = {f"cpu{c}" for c in cpus}, 0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0] in want and len(parts) > 5:
+            total += int(parts[4]) + int(parts[5])
+    return total / tick
+
+
+class ThreadGovernor:
+    """One intra-op thread while the cores are oversubscribed, all of them again once they are free.
+
+    libgomp reads its wait policy once, when it loads; what can change at run time is the thread
+    count. With more runnable threads than cores, a parallel region's threads wait for a partner
+    the scheduler took off its core (spinning through its time slice, or sleeping and paying a
+    wake-up), at every one of a step's parallel regions; one thread has no partner to wait for.
+
+    ``tick()`` runs before each step on the thread that runs the forward (OpenMP's thread count is
+    per calling thread). Every ``window_s`` it looks at two facts: the fraction of the window this
+    thread waited on a run queue (above ``enter``: oversubscribed, go to one thread), and, while at
+    one thread, the idle time of the allowed CPUs (at least ``leave_idle`` of a core per thread to
+    add, over ``leave_windows`` windows running: the other threads would find free cores).
+    """
+
+    def __init__(self, threads: int, cpus: tuple[int, ...], set_threads, window_s: float = 0.5,
+                 enter: float = 0.2, leave_idle: float = 0.6, leave_windows: int = 2,
+                 clock=None, run_wait=read_thread_run_wait, idle=None) -> None:
+        import time
+
+        self.full = threads
+        self.current = threads
+        self.window_s, self.enter, self.leave_idle, self.leave_windows = window_s, enter, leave_idle, leave_windows
+        self._set_threads, self._clock, self._run_wait = set_threads, clock or time.monotonic, run_wait
+        self._idle = idle or (lambda: read_idle_seconds(cpus))
+        self._t0 = None
+        self._free_windows = 0
+        self.switches = 0
+
+    def _sample(self):
+        return self._clock(), self._run_wait(), self._idle()
+
+    def tick(self) -> None:
+        now = self._clock()
+        if self._t0 is not None and now - self._t0[0] < self.window_s:
+            return
+        sample = self._sample()
+        if self._t0 is None or sample[1] is None or self._t0[1] is None:
+            self._t0 = sample
+            return
+        (t0, w0, i0), (t1, w1, i1) = self._t0, sample
+        self._t0 = sample
+        wall = t1 - t0
+        waited = (w1 - w0) / 1e9 / wall
+        if self.current == self.full:
+            if waited > self.enter:
+                self._switch(1)
+            return
+        idle = (i1 - i0) / wall if i0 is not None and i1 is not None else 0.0
+        self._free_windows = self._free_windows + 1 if idle >= self.leave_idle * (self.full - 1) else 0
+        if self._free_windows >= self.leave_windows:
+            self._switch(self.full)
+
+    def _switch(self, threads: int) -> None:
+        self._set_threads(threads)
+        self.current, self._free_windows = threads, 0
+        self.switches += 1
+        logger.info("CPU threads %d -> %d (%s)", self.full if threads == 1 else 1, threads,
+                    "the cores are oversubscribed" if threads == 1 else "the cores are free again")
+
+
+def thread_governor(config: EngineConfig, decision: CpuThreadDecision) -> Optional[ThreadGovernor]:
+    """The governor of a rank's threads, or None where there is nothing to adapt: one thread,
+    passive OpenMP waits, the user's own cpu_threads, or cpu_threads_adapt off."""
+    if (not config.cpu_threads_adapt or config.cpu_threads is not None or decision.threads < 2
+            or not omp_waits_spin(os.environ)):  # passive waits already cost little on shared cores
+        return None
+    import torch
+
+    cpus = decision.bind or tuple(sorted(os.sched_getaffinity(0)))
+    return ThreadGovernor(decision.threads, cpus, torch.set_num_threads)

@@ -19,7 +19,7 @@ from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.models.pipeline import check_pipeline_support
 from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
-from pagedllm.worker.cpu_threads import CpuThreadDecision, configure_cpu_threads
+from pagedllm.worker.cpu_threads import CpuThreadDecision, configure_cpu_threads, thread_governor
 from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -127,6 +127,7 @@ class Worker:
                 self.cpu_threads = configure_cpu_threads(config, pp.global_rank, pp.global_world)
             else:
                 self.cpu_threads = configure_cpu_threads(config, tp.rank, tp.world_size)
+        self.thread_governor = thread_governor(config, self.cpu_threads) if self.cpu_threads else None
         model_cls = resolve_model_class(hf_config)
         check_pipeline_support(model_cls)
         prev = torch.get_default_dtype()
@@ -354,6 +355,8 @@ class Worker:
                             equivalent / spec.bytes_per_token)
 
     def execute(self, scheduler_output, grammar=None):
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         return self.runner.execute(scheduler_output, grammar)
 
     def execute_stage(self, scheduler_output, grammar=None, new_tokens=None):
@@ -362,4 +365,6 @@ class Worker:
         sampling rank returns the step's output; the other ranks' outputs carry no tokens."""
         if new_tokens:
             self.runner.apply_new_tokens(new_tokens)
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         return self.runner.execute(scheduler_output, grammar)

@@ -1,10 +1,14 @@
 """The CPU thread decision from faked affinity masks and cgroup files (v1 and v2)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from pagedllm.worker.cpu_threads import (CpuFacts, CpuQuota, decide_cpu_threads, omp_wait_policy, read_cpu_facts,
-                                         read_cpu_quota)
+from pagedllm.worker.cpu_threads import (OMP_WAIT_REASON, CpuFacts, CpuQuota, ThreadGovernor, apply_omp_environment,
+                                         choose_omp_environment, decide_cpu_threads, omp_wait_policy, omp_waits_spin,
+                                         read_cpu_facts, read_cpu_quota, read_idle_seconds, read_thread_run_wait,
+                                         thread_governor)
 
 
 def _fake_v2(tmp_path, cpu_max: str | None, path: str = "/kubepods/pod1", parent_cpu_max: str | None = None):
@@ -113,7 +117,98 @@ def test_ranks_split_the_cores_and_the_quota():
 
 
 def test_wait_policy_names_the_users_choice():
-    assert omp_wait_policy({"OMP_WAIT_POLICY": "PASSIVE"}) == "OMP_WAIT_POLICY=PASSIVE"
+    assert omp_wait_policy({"OMP_WAIT_POLICY": "PASSIVE"}) == "OMP_WAIT_POLICY=PASSIVE (the user's)"
     assert "GOMP_SPINCOUNT=1000" in omp_wait_policy({"GOMP_SPINCOUNT": "1000"})
     assert omp_wait_policy({}).startswith("libgomp default")
-    assert decide_cpu_threads(CpuFacts((0, 1)), env={"OMP_WAIT_POLICY": "PASSIVE"}).wait_policy == "OMP_WAIT_POLICY=PASSIVE"
+    assert decide_cpu_threads(CpuFacts((0, 1)), env={"OMP_WAIT_POLICY": "PASSIVE"}).wait_policy.startswith(
+        "OMP_WAIT_POLICY=PASSIVE")
+
+
+def test_passive_waits_on_a_host_loaded_at_start_up_unless_the_user_chose():
+    loaded, quiet = CpuFacts((0, 1), None, 2.5), CpuFacts((0, 1), None, 1.2)
+    env = choose_omp_environment(loaded, {}, online_cpus=2)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "2.5 >= 2 CPUs" in env[OMP_WAIT_REASON]
+    assert "pagedllm: load average" in omp_wait_policy(env) and not omp_waits_spin(env)
+    assert choose_omp_environment(quiet, {}, online_cpus=2) == {}  # libgomp's default: spin, then sleep
+    assert choose_omp_environment(CpuFacts((0, 1)), {}, online_cpus=2) == {}  # load unknown
+    for user in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        assert choose_omp_environment(loaded, user, online_cpus=2) == {}
+        assert omp_wait_policy(user).endswith("(the user's)") and omp_waits_spin(user)
+
+
+def test_apply_omp_environment_sets_nothing_once_torch_is_loaded(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", sys.modules.get("torch") or object())
+    env = {}
+    assert apply_omp_environment(env) == {} and env == {}
+
+
+class _Host:
+    """A fake clock, run-queue wait and idle time for ThreadGovernor."""
+
+    def __init__(self):
+        self.t, self.wait_ns, self.idle_s, self.threads = 0.0, 0, 0.0, []
+
+    def advance(self, seconds, waited=0.0, idle=0.0):
+        self.t += seconds
+        self.wait_ns += int(waited * seconds * 1e9)
+        self.idle_s += idle * seconds
+
+    def governor(self, threads=2):
+        return ThreadGovernor(threads, (0, 1), self.threads.append, window_s=0.5, clock=lambda: self.t,
+                              run_wait=lambda: self.wait_ns, idle=lambda: self.idle_s)
+
+
+def test_governor_drops_to_one_thread_when_oversubscribed_and_comes_back_when_free():
+    host = _Host()
+    gov = host.governor()
+    gov.tick()  # the first sample
+    for _ in range(3):  # quiet: nothing waits, the full count stays
+        host.advance(0.6, waited=0.01)
+        gov.tick()
+    assert host.threads == [] and gov.current == 2
+    host.advance(0.1, waited=0.9)
+    gov.tick()  # within the window: no decision yet
+    assert host.threads == []
+    host.advance(0.5, waited=0.5)
+    gov.tick()
+    assert host.threads == [1] and gov.current == 1
+    host.advance(0.6, waited=0.3, idle=0.0)  # still busy at one thread: stays
+    gov.tick()
+    host.advance(0.6, waited=0.0, idle=0.9)  # one window with a free core is not enough
+    gov.tick()
+    assert gov.current == 1
+    host.advance(0.6, waited=0.0, idle=0.1)  # the streak is broken
+    gov.tick()
+    host.advance(0.6, waited=0.0, idle=0.9)
+    gov.tick()
+    assert gov.current == 1
+    host.advance(0.6, waited=0.0, idle=0.9)
+    gov.tick()
+    assert host.threads == [1, 2] and gov.current == 2 and gov.switches == 2
+
+
+def test_no_governor_for_the_users_threads_passive_waits_or_one_thread(monkeypatch):
+    pytest.importorskip("torch")
+    from pagedllm.config import EngineConfig
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    two = decide_cpu_threads(CpuFacts((0, 1)), env={})
+    assert thread_governor(EngineConfig(), two) is not None
+    assert thread_governor(EngineConfig(cpu_threads=2), two) is None
+    assert thread_governor(EngineConfig(cpu_threads_adapt=False), two) is None
+    assert thread_governor(EngineConfig(), decide_cpu_threads(CpuFacts((0,)), env={})) is None
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert thread_governor(EngineConfig(), two) is None
+
+
+def test_run_wait_and_idle_readers(tmp_path):
+    (tmp_path / "schedstat").write_text("123 456 7\n")
+    assert read_thread_run_wait(str(tmp_path / "schedstat")) == 456
+    assert read_thread_run_wait(str(tmp_path / "nope")) is None
+    tick = os.sysconf("SC_CLK_TCK")
+    (tmp_path / "stat").write_text(f"cpu  1 2 3 {9 * tick} 0 0 0\ncpu0 1 2 3 {4 * tick} {tick} 0 0\n"
+                                   f"cpu1 1 2 3 {3 * tick} 0 0 0\ncpu2 1 2 3 {100 * tick} 0 0 0\n")
+    assert read_idle_seconds((0, 1), str(tmp_path / "stat")) == 8.0
