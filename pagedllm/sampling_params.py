@@ -77,8 +77,21 @@ class SamplingParams:
     # is accepted as its older name.
     structured_outputs: Optional[StructuredOutputsParams] = None
     guided_decoding: Optional[StructuredOutputsParams] = field(default=None, repr=False)
+    # vLLM's extras: words never generated (each as its tokens, with and without a leading space;
+    # a multi-token word's last token is banned after the rest), the only token ids allowed,
+    # callables (output_token_ids, logits) -> logits or (prompt_token_ids, output_token_ids,
+    # logits) -> logits run on each step's logits row (offline: they must pickle to reach worker
+    # processes), the prompt's last N tokens kept (-1: as many as max_model_len allows), and
+    # detokenize=False for token ids only (no text).
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    logits_processors: Optional[list[Any]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    detokenize: bool = True
     # Filled in by the engine: all stop token ids including EOS (unless ignore_eos).
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled in by the engine: bad_words as token id sequences.
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -157,9 +170,31 @@ class SamplingParams:
             not is_int(self.prompt_logprobs) or not (0 <= self.prompt_logprobs <= 20)
         ):
             raise bad("prompt_logprobs", "an integer in [0, 20] or None", self.prompt_logprobs)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "a boolean", getattr(self, name))
+        if self.bad_words is not None:
+            if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w
+                                                                        for w in self.bad_words):
+                raise bad("bad_words", "a list of non-empty strings", self.bad_words)
+            self.bad_words = list(self.bad_words)
+        if self.allowed_token_ids is not None:
+            if (not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids
+                    or not all(is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+                raise bad("allowed_token_ids", "a non-empty list of token ids >= 0", self.allowed_token_ids)
+            self.allowed_token_ids = sorted(set(self.allowed_token_ids))
+        if self.logits_processors is not None:
+            if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(f) for f in self.logits_processors):
+                raise bad("logits_processors", "a list of callables", self.logits_processors)
+            self.logits_processors = list(self.logits_processors)
+        if not self.detokenize and self.stop:
+            raise bad("stop", "empty when detokenize is False (stop strings are matched on the text)", self.stop)
+        if self.truncate_prompt_tokens is not None and (
+                not is_int(self.truncate_prompt_tokens) or not (self.truncate_prompt_tokens >= 1
+                                                                or self.truncate_prompt_tokens == -1)):
+            raise bad("truncate_prompt_tokens", "an integer >= 1, -1 (max_model_len) or None",
+                      self.truncate_prompt_tokens)
 
     # ---- derived ----------------------------------------------------------------------------
     @property
@@ -180,6 +215,20 @@ class SamplingParams:
         if eos_token_ids is not None and not self.ignore_eos:
             stops.update([eos_token_ids] if isinstance(eos_token_ids, int) else eos_token_ids)
         self._all_stop_token_ids = stops
+        return self
+
+    def with_bad_words(self, tokenizer) -> "SamplingParams":
+        """Tokenize ``bad_words`` (each with and without a leading space, as vLLM)."""
+        seqs: list[list[int]] = []
+        for word in self.bad_words or []:
+            if tokenizer is None:
+                raise ValueError("bad_words needs the engine's tokenizer")
+            bare = word.lstrip()
+            for text in ((bare, " " + bare) if bare else (word,)):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        self._bad_words_token_ids = seqs
         return self
 
     def clone(self, **changes) -> "SamplingParams":

@@ -97,7 +97,8 @@ class AsyncLLM:
                 f"the server is overloaded: {self._num_pending} sequences in flight and this request adds "
                 f"{seqs}; the limit is max_num_seqs + max_waiting_requests = {capacity}; retry later"
             )
-        self.engine.input_processor.process(prompt)  # raises ValueError on bad input, here and now
+        # raises ValueError on bad input, here and now
+        self.engine.input_processor.process(prompt, getattr(params, "truncate_prompt_tokens", None))
         self.engine.resolve_lora(lora_request)  # likewise a bad adapter (known ones are a dict lookup)
         request_id = request_id or f"req-{time.monotonic_ns()}-{id(prompt)}"
         if request_id in self._streams:

@@ -26,7 +26,8 @@ class InputProcessor:
                 f"({self.max_model_len} tokens) could ever hold"
             )
 
-    def process(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def process(self, prompt: PromptType, truncate_prompt_tokens: Optional[int] = None) -> tuple[Optional[str], list[int]]:
+        """(text, token ids); ``truncate_prompt_tokens``: keep the last N ids (-1: max_model_len - 1)."""
         text: Optional[str] = None
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -48,9 +49,13 @@ class InputProcessor:
                 raise ValueError("prompt must be a string")
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass prompt_token_ids instead")
-            self.check_text_length(text)
+            if truncate_prompt_tokens is None:
+                self.check_text_length(text)
             ids = self.tokenizer.encode(text)
         ids = list(ids)
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            ids = ids[-keep:]
         if not ids:
             raise ValueError("prompt must not be empty")
         for t in ids:

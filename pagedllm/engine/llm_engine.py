@@ -123,12 +123,15 @@ class LLMEngine:
         request_id = request_id or self.new_request_id()
         if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.input_processor.process(prompt)
+        text, ids = self.input_processor.process(prompt, params.truncate_prompt_tokens)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt field
         lora = self.resolve_lora(lora_request)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
         params = params.clone().with_eos(self.eos_token_ids)
+        if params.bad_words:
+            params.with_bad_words(self.tokenizer)
         best_of = params if uses_best_of(params) else None
         if best_of is not None:  # best_of children sampled; the n best returned when all are done
             params = child_params(params).clone(n=best_of.best_of)
@@ -138,11 +141,13 @@ class LLMEngine:
         try:
             for i, cid in enumerate(child_ids):
                 cp = params if params.n == 1 else params.clone(seed=None if params.seed is None else _child_seed(params.seed, i))
-                req = Request(cid, ids, cp, max_tokens=max_tokens, arrival_time=arrival_time, lora=lora)
+                req = Request(cid, ids, cp, max_tokens=max_tokens, arrival_time=arrival_time, cache_salt=cache_salt,
+                              lora=lora)
                 self.core.add_request(req)
                 added.append(cid)
                 detok = (
-                    IncrementalDetokenizer(self.tokenizer, ids, cp.skip_special_tokens) if self.tokenizer is not None else None
+                    IncrementalDetokenizer(self.tokenizer, ids, cp.skip_special_tokens)
+                    if self.tokenizer is not None and cp.detokenize else None
                 )
                 self.output_processor.add_request(
                     RequestState(cid, request_id, i, text, ids, cp, detok, arrival_time=req.arrival_time)

@@ -106,9 +106,9 @@ class LLM:
         engine = self.engine
         loras = self._expand_loras(lora_request, len(items))
         # Validate everything before anything is queued: one bad prompt fails the call cleanly.
-        for i, item in enumerate(items):
+        for i, (item, sp) in enumerate(zip(items, params)):
             try:
-                engine.input_processor.process(item)
+                engine.input_processor.process(item, getattr(sp, "truncate_prompt_tokens", None))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         for sp in dict.fromkeys(map(id, params)):  # a bad schema/regex/grammar: ValueError before anything runs
@@ -151,9 +151,9 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         engine = self.engine
-        for i, item in enumerate(items):
+        for i, (item, sp) in enumerate(zip(items, params)):
             try:
-                engine.input_processor.process(item)
+                engine.input_processor.process(item, getattr(sp, "truncate_prompt_tokens", None))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids: list[str] = []

@@ -1,4 +1,5 @@
-"""Token bitmasks applied to a step's logits: structured outputs' allowed-token sets.
+"""Token bitmasks applied to a step's logits: structured outputs' allowed-token sets, and
+allowed_token_ids (``apply_allowed_tokens``: one scatter over (row, token) pairs, one masked_fill).
 
 A bitmask row holds one bit per vocabulary id in int32 words (bit ``i % 32`` of word ``i // 32``:
 xgrammar's layout). ``apply_token_bitmask`` masks every constrained row in one call: on CPU our
@@ -59,4 +60,15 @@ def torch_apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask:
         logits.masked_fill_(~allowed, float("-inf"))
     else:
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def apply_allowed_tokens(logits: torch.Tensor, pair_rows: torch.Tensor, pair_cols: torch.Tensor,
+                         rows: torch.Tensor) -> torch.Tensor:
+    """-inf on ``logits[rows]`` except at the (row, token) pairs given (in place; returns logits)."""
+    allowed = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    allowed[pair_rows, pair_cols] = True
+    keep = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    keep[rows] = False  # rows without allowed_token_ids keep every token
+    logits.masked_fill_(~(allowed | keep.unsqueeze(1)), float("-inf"))
     return logits

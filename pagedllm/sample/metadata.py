@@ -44,6 +44,12 @@ class SamplingMetadata:
     # structured outputs: the rows with an allowed-token bitmask (ascending) and their bitmasks
     mask_rows: Optional[torch.Tensor] = None  # long [M]
     mask_bits: Optional[torch.Tensor] = None  # int32 [M, ceil(vocab / 32)] (xgrammar's layout)
+    # allowed_token_ids: (row, token) pairs of the only tokens those rows may take, and the rows
+    allow_rows: Optional[torch.Tensor] = None  # long [A] (one per pair)
+    allow_cols: Optional[torch.Tensor] = None  # long [A]
+    allow_row_ids: Optional[torch.Tensor] = None  # long [R]: the distinct rows
+    # offline logits processors: (row, processors, prompt token ids, output token ids)
+    processors: Optional[list] = None
 
 
 class SamplingRowState(Protocol):
@@ -90,6 +96,10 @@ def build_sampling_metadata(
 
     bias_rows, bias_cols, bias_vals = _logit_bias(sps, vocab_size, tensor)
     ban_rows, ban_cols = _min_tokens_bans(states, vocab_size, tensor)
+    ban_rows, ban_cols = _bad_word_bans(states, vocab_size, tensor, ban_rows, ban_cols)
+    allow_rows, allow_cols, allow_row_ids = _allowed_tokens(sps, vocab_size, tensor)
+    processors = [(i, s.sampling_params.logits_processors, s.token_ids[: s.num_prompt_tokens],
+                   s.token_ids[s.num_prompt_tokens:]) for i, s in enumerate(states) if s.sampling_params.logits_processors]
     presence, frequency, repetition, seen_rows, seen_cols, seen_counts = _penalties(states, vocab_size, device, tensor)
 
     ks = [sp.logprobs for sp in sps if sp.logprobs is not None]
@@ -114,7 +124,48 @@ def build_sampling_metadata(
         seen_output_counts=seen_counts,
         max_num_logprobs=max(ks) if ks else None,
         top_k_max=top_k_max,
+        allow_rows=allow_rows,
+        allow_cols=allow_cols,
+        allow_row_ids=allow_row_ids,
+        processors=processors or None,
     )
+
+
+def _bad_word_bans(states, vocab_size, tensor, ban_rows, ban_cols):
+    """The min_tokens bans plus bad_words': a one-token word always, a longer word's last token
+    when the output ends with the rest of it (vLLM's rule). A loop over the rows' words, never
+    over the vocabulary."""
+    rows, cols = [], []
+    for i, s in enumerate(states):
+        words = s.sampling_params._bad_words_token_ids
+        if not words:
+            continue
+        out = s.token_ids[s.num_prompt_tokens:]
+        for ids in words:
+            head = ids[:-1]
+            if ids[-1] < vocab_size and (not head or (len(out) >= len(head) and out[len(out) - len(head):] == head)):
+                rows.append(i)
+                cols.append(ids[-1])
+    if not rows:
+        return ban_rows, ban_cols
+    r, c = tensor(rows, torch.long), tensor(cols, torch.long)
+    if ban_rows is None:
+        return r, c
+    return torch.cat([ban_rows, r]), torch.cat([ban_cols, c])
+
+
+def _allowed_tokens(sps, vocab_size, tensor):
+    """(rows, tokens, distinct rows) of allowed_token_ids, or three Nones."""
+    rows, cols, row_ids = [], [], []
+    for i, sp in enumerate(sps):
+        if sp.allowed_token_ids:
+            ids = [t for t in sp.allowed_token_ids if t < vocab_size]
+            rows.extend([i] * len(ids))
+            cols.extend(ids)
+            row_ids.append(i)
+    if not row_ids:
+        return None, None, None
+    return tensor(rows, torch.long), tensor(cols, torch.long), tensor(row_ids, torch.long)
 
 
 def _logit_bias(sps, vocab_size, tensor):

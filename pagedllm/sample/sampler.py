@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.sample.logits_mask import apply_token_bitmask
+from pagedllm.sample.logits_mask import apply_allowed_tokens, apply_token_bitmask
 from pagedllm.sample.metadata import SamplingMetadata
 
 
@@ -73,7 +73,7 @@ def tempered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def _has_constraints(md: SamplingMetadata) -> bool:
     return (md.bias_rows is not None or md.ban_rows is not None or md.seen_rows is not None
-            or md.mask_rows is not None)
+            or md.mask_rows is not None or md.allow_rows is not None or md.processors is not None)
 
 
 class Sampler:
@@ -117,6 +117,14 @@ class Sampler:
             logits.index_put_((md.ban_rows, md.ban_cols), torch.tensor(float("-inf"), device=logits.device))
         if md.mask_rows is not None:  # structured outputs: tokens the grammar forbids
             apply_token_bitmask(logits, md.mask_rows, md.mask_bits)
+        if md.allow_rows is not None:  # allowed_token_ids: one scatter builds the rows' masks
+            apply_allowed_tokens(logits, md.allow_rows, md.allow_cols, md.allow_row_ids)
+        if md.processors is not None:  # offline logits processors (user code, one call per row)
+            for row, fns, prompt_ids, output_ids in md.processors:
+                for fn in fns:
+                    n = fn.__code__.co_argcount if hasattr(fn, "__code__") else 2
+                    out = fn(prompt_ids, output_ids, logits[row]) if n >= 3 else fn(output_ids, logits[row])
+                    logits[row] = out
         return logits
 
     def _uniforms(self, n: int, md: SamplingMetadata, device: torch.device) -> torch.Tensor:

@@ -27,12 +27,32 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template explicitly")
+    continue_final = kwargs.pop("continue_final_message", False)
+    add_special = kwargs.pop("add_special_tokens", False)
+    if continue_final or add_special:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final,
+                                             tokenize=False, chat_template=chat_template, **kwargs)
+        if continue_final:
+            text = cut_after_final_message(text, messages)
+        return list(tokenizer.encode(text, add_special_tokens=add_special))
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template, **kwargs
     )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+def cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """The rendered conversation up to the end of the final message's content, so the model goes on
+    writing that message (continue_final_message, as transformers does it)."""
+    final = messages[-1].get("content")
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a final message with text content")
+    end = text.rfind(final.strip())
+    if end < 0:
+        raise ValueError("continue_final_message: the chat template did not render the final message's content")
+    return text[: end + len(final.strip())]
 
 
 _SPECIAL_VARS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -55,9 +75,14 @@ def render_request_template(tokenizer, sandbox, template: str, messages: list[di
     extra template variables (chat_template_kwargs)."""
     variables = chat_template_variables(tokenizer)
     variables.update(kwargs)
-    variables.update(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=None)
+    continue_final = variables.pop("continue_final_message", False)
+    add_special = variables.pop("add_special_tokens", False)
+    variables.setdefault("documents", None)
+    variables.update(messages=messages, add_generation_prompt=add_generation_prompt and not continue_final, tools=tools)
     text = sandbox.render(template, variables)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    if continue_final:
+        text = cut_after_final_message(text, messages)
+    return list(tokenizer.encode(text, add_special_tokens=add_special))
 
 
 def max_token_chars(tokenizer) -> int:

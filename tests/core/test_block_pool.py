@@ -106,3 +106,22 @@ def test_random_add_grow_free_keeps_pool_consistent(ops, block_size):
         kv.free(req)
     kv.pool.check_consistency()
     assert kv.num_free_blocks == kv.num_total_blocks
+
+
+def test_cache_salt_keeps_tenants_apart():
+    """vLLM's cache_salt: the salt keys the first block and the chain carries it, so requests with
+    different salts (or one salted and one not) never share a block; the same salt shares."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    tokens = list(range(12))
+    a = Request("a", tokens, SamplingParams(max_tokens=8), max_tokens=8, cache_salt="tenant-1")
+    kv.get_computed_blocks(a)
+    kv.allocate_slots(a, 12)
+    for rid, salt, hit in (("b", "tenant-2", 0), ("c", None, 0), ("d", "tenant-1", 8)):
+        r = Request(rid, tokens, SamplingParams(max_tokens=8), max_tokens=8, cache_salt=salt)
+        blocks, n = kv.get_computed_blocks(r)
+        assert n == hit, (rid, salt)
+        if salt != "tenant-1":
+            assert not set(r.block_hashes) & set(a.block_hashes)  # every block of the chain differs
+    kv.free(a)
+    assert kv.num_free_blocks == 32
+    kv.pool.check_consistency()

@@ -61,6 +61,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) on every chunk
 
 
 class JsonSchemaFormat(_Request):
@@ -131,6 +132,19 @@ class _SamplingFields(_Request):
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     safety_identifier: Optional[str] = None
+    # vLLM's request extensions (docs/usage.md, *vLLM's request extensions*)
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    truncate_prompt_tokens: Optional[int] = None  # keep the prompt's last N tokens (-1: max_model_len - 1)
+    return_token_ids: Optional[bool] = None
+    spaces_between_special_tokens: bool = True
+    cache_salt: Optional[str] = Field(default=None, min_length=1)
+    request_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
+    priority: int = 0  # lower runs first under --scheduling-policy priority
+    # accepted and ignored, as vLLM ignores them without a KV connector / custom logits processor / a multimodal model
+    kv_transfer_params: Optional[dict[str, Any]] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
 
 
 # ---- /v1/completions -------------------------------------------------------------------------
@@ -145,6 +159,7 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     prompt_logprobs: Optional[int] = None  # vLLM: logprobs of the prompt's tokens (top-N besides each)
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around a text prompt
 
 
 class CompletionLogprobs(BaseModel):
@@ -174,6 +189,12 @@ class CompletionChoice(BaseModel):
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     prompt_logprobs: Optional[PromptLogprobsOut] = None  # vLLM extra (not streamed)
+    prompt_token_ids: Optional[list[int]] = None  # vLLM: with return_token_ids
+    token_ids: Optional[list[int]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_token_ids(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k not in ("prompt_token_ids", "token_ids")}
 
 
 class CompletionResponse(BaseModel):
@@ -249,6 +270,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[ToolDef]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
+    # vLLM's chat extensions
+    continue_final_message: bool = False  # the final (assistant) message is continued, not closed
+    echo: bool = False  # the reply starts with the final message's content (with continue_final_message)
+    add_special_tokens: bool = False  # the tokenizer's special tokens on top of the chat template's
+    documents: Optional[list[dict[str, str]]] = None  # the chat template's documents (RAG templates)
 
 
 class ChatTopLogprob(BaseModel):
@@ -308,6 +334,11 @@ class ChatChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # vLLM: with return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_token_ids(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k != "token_ids"}
 
 
 class ChatCompletionResponse(BaseModel):
@@ -318,6 +349,11 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Optional[UsageInfo] = None
     prompt_logprobs: Optional[PromptLogprobsOut] = None  # vLLM extra, on the response (not streamed)
+    prompt_token_ids: Optional[list[int]] = None  # vLLM: with return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_token_ids(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k != "prompt_token_ids"}
 
 
 class DeltaMessage(BaseModel):
@@ -336,6 +372,11 @@ class ChatStreamChoice(BaseModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # vLLM: with return_token_ids
+
+    @model_serializer(mode="wrap")
+    def _drop_token_ids(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k != "token_ids"}
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -345,6 +386,11 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[list[int]] = None  # vLLM: with return_token_ids, on the first chunk
+
+    @model_serializer(mode="wrap")
+    def _drop_token_ids(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k != "prompt_token_ids"}
 
 
 # ---- models, tokenizer, misc -----------------------------------------------------------------

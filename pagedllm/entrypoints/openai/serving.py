@@ -273,7 +273,12 @@ class OpenAIServing:
             logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens, best_of=getattr(req, "best_of", None),
             structured_outputs=request_constraint(req, _bad_request)[0],
+            bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
+        if req.allowed_token_ids and any(not 0 <= t < self.vocab_size for t in req.allowed_token_ids):
+            raise APIError(400, f"allowed_token_ids must be token ids in [0, {self.vocab_size})",
+                           param="allowed_token_ids", code="invalid_value")
         try:
             params = SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
@@ -299,10 +304,26 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, rename_field(str(e), field), param=field, code="invalid_value") from None
 
-    async def _process(self, prompt, param: str) -> tuple[Optional[str], list[int]]:
-        """Validate and tokenise a prompt on a worker thread (never on the event loop)."""
+    async def _process(self, prompt, param: str, req=None) -> tuple[Optional[str], list[int]]:
+        """Validate and tokenise a prompt on a worker thread (never on the event loop); ``req``'s
+        truncate_prompt_tokens keeps the prompt's last N tokens, its add_special_tokens false
+        tokenises a text prompt without BOS."""
+        truncate = getattr(req, "truncate_prompt_tokens", None)
+        if truncate is not None and not (truncate >= 1 or truncate == -1):
+            raise APIError(400, f"truncate_prompt_tokens must be >= 1 or -1, got {truncate}",
+                           param="truncate_prompt_tokens", code="invalid_value")
+        if isinstance(prompt, str) and req is not None and not getattr(req, "add_special_tokens", True):
+            if self.tokenizer is None:
+                raise APIError(400, "text prompts need a tokenizer", param=param)
+            try:
+                self.input_processor.check_text_length(prompt)
+            except ValueError as e:
+                raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False)
+            prompt = {"prompt_token_ids": list(ids), "prompt": prompt}
         try:
-            return await asyncio.to_thread(self.input_processor.process, prompt)
+            text, ids = await asyncio.to_thread(self.input_processor.process, prompt, truncate)
+            return (None if truncate is not None else text), ids
         except ValueError as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
             raise APIError(400, str(e), param=param, code=code) from None
@@ -347,14 +368,21 @@ class OpenAIServing:
 
     async def create_completion(self, req: CompletionRequest, timeout: Optional[float] = None):
         model = self.check_model(req.model)
+        if req.max_tokens == 0:  # vLLM's prompt scoring: echo the prompt (with its logprobs), generate nothing
+            if not req.echo:
+                raise APIError(400, "max_tokens 0 needs echo (it scores the prompt)", param="max_tokens",
+                               code="invalid_value")
+            if req.stream or req.n != 1 or req.use_beam_search or (req.best_of or 1) > 1:
+                raise APIError(400, "max_tokens 0 (prompt scoring) is not available with stream, n > 1, best_of or "
+                                    "beam search", param="max_tokens", code="invalid_value")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix", code="unsupported")
         check_best_of(req, lambda msg, field: APIError(400, msg, param=field))
         if req.echo and req.logprobs is not None and self.tokenizer is None:
             raise APIError(400, "echo with logprobs needs a tokenizer", param="echo")
         self._check_prompt_logprobs(req)
-        prompts = [await self._process(p, "prompt") for p in self._completion_prompts(req.prompt)]
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        prompts = [await self._process(p, "prompt", req) for p in self._completion_prompts(req.prompt)]
+        rid = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         # The engine computes the prompt's top-N once: N the larger of prompt_logprobs and echo's logprobs.
         asked = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
         prompt_n = max(asked) if asked else None
@@ -363,14 +391,26 @@ class OpenAIServing:
             if text is None and req.echo and self.tokenizer is not None:
                 text = self.tokenizer.decode(ids)
             prompts[i] = (text, ids)
-            params = self.sampling_params(req, len(ids), req.max_tokens, req.logprobs, prompt_n)
-            items.append(({"prompt_token_ids": ids, "prompt": text}, params, f"{rid}-{i}"))
+            params = self.sampling_params(req, len(ids), req.max_tokens or (None if req.max_tokens is None else 1),
+                                          req.logprobs, prompt_n)
+            items.append((self._engine_prompt(req, ids, text), params, f"{rid}-{i}"))
         if items:
             await self._check_constraint(req, items[0][1])
         streams = await self._start(items, self._timeout(req, timeout), model)
         if req.stream:
             return streams, self._completion_stream(req, streams, rid, model, prompts)
         return await self._completion_full(req, streams, rid, model, prompts)
+
+    @staticmethod
+    def _engine_prompt(req, ids: list[int], text: Optional[str] = None) -> dict[str, Any]:
+        """The engine's prompt: the token ids, the text, vLLM's cache_salt (a tenant's own prefix
+        cache: the salt keys the first block, so the hash chain differs from everyone else's)."""
+        prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if text is not None:
+            prompt["prompt"] = text
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
+        return prompt
 
     def _echo_logprobs(self, out: RequestOutput, n: Optional[int]):
         if n is None:
@@ -404,6 +444,8 @@ class OpenAIServing:
             streams.close()
         result, completion_tokens = [], 0
         for (i, k), c in sorted(choices.items()):
+            if req.max_tokens == 0:  # scoring: the one token generated is not part of the answer
+                c = _Choice(finish_reason="length")
             text, lps = "".join(c.text), None
             prefix = (prompts[i][0] or "") if req.echo else ""
             if req.logprobs is not None:
@@ -412,9 +454,11 @@ class OpenAIServing:
                 text = prefix + text
                 lps = lp_format.prepend(self._echo_logprobs(last[i], req.logprobs), lps)
             completion_tokens += len(c.token_ids)
+            ids = (prompts[i][1], c.token_ids) if req.return_token_ids else (None, None)
             result.append(CompletionChoice(index=i * req.n + k, text=text, logprobs=lps,
                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                           prompt_logprobs=self._prompt_logprobs(req, last.get(i))))
+                                           prompt_logprobs=self._prompt_logprobs(req, last.get(i)),
+                                           prompt_token_ids=ids[0], token_ids=ids[1]))
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         cached = sum(o.num_cached_tokens for o in last.values())
         return CompletionResponse(id=rid, model=model, choices=result,
@@ -443,7 +487,13 @@ class OpenAIServing:
                         done.add(key)
                     choice = CompletionChoice(index=i * req.n + o.index, text=text, logprobs=lps,
                                               finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                    yield sse(CompletionStreamResponse(id=rid, model=model, choices=[choice]))
+                    if req.return_token_ids:
+                        choice.token_ids = list(o.token_ids)
+                        choice.prompt_token_ids = prompts[i][1] if first else None
+                    usage = None
+                    if req.stream_options and req.stream_options.continuous_usage_stats:
+                        usage = self._usage(sum(len(ids) for _, ids in prompts), ntok, sum(cached.values()))
+                    yield sse(CompletionStreamResponse(id=rid, model=model, choices=[choice], usage=usage))
             if req.stream_options and req.stream_options.include_usage:
                 usage = self._usage(sum(len(ids) for _, ids in prompts), ntok, sum(cached.values()))
                 yield sse(CompletionStreamResponse(id=rid, model=model, choices=[], usage=usage))
@@ -476,6 +526,19 @@ class OpenAIServing:
                                 f"({self.max_model_len} tokens) could ever hold", param="messages",
                            code="context_length_exceeded")
         kwargs = self._template_kwargs(getattr(req, "chat_template_kwargs", None))
+        if getattr(req, "continue_final_message", False):
+            if req.add_generation_prompt:
+                raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                                    "add_generation_prompt false to continue the final message)",
+                               param="continue_final_message", code="invalid_value")
+            if req.messages[-1].role != "assistant":
+                raise APIError(400, "continue_final_message needs an assistant message last",
+                               param="continue_final_message", code="invalid_value")
+            kwargs["continue_final_message"] = True
+        if getattr(req, "add_special_tokens", False):
+            kwargs["add_special_tokens"] = True
+        if getattr(req, "documents", None) is not None:
+            kwargs["documents"] = req.documents
         template = getattr(req, "chat_template", None)
         if template is not None:
             if not self.options.trust_request_chat_template or self.options.template_sandbox is None:
@@ -524,7 +587,7 @@ class OpenAIServing:
         plan). /v1/chat/completions and /v1/responses both start their generations here."""
         model = self.check_model(req.model)
         plan = tc.plan_tools(req, self.options.enable_auto_tool_choice, self.options.tool_call_parser, _bad_request)
-        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages"))[1]
+        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages", req))[1]
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self._check_prompt_logprobs(req)
@@ -539,8 +602,8 @@ class OpenAIServing:
                                    f"{request_constraint(req, _bad_request)[1]}: pass one", "tool_choice")
             params.structured_outputs = plan.constraint
         await self._check_constraint(req, params, "tools" if plan.constraint is not None else None)
-        rid = request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start([({"prompt_token_ids": ids}, params, rid)], self._timeout(req, timeout), model)
+        rid = request_id or f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
+        streams = await self._start([(self._engine_prompt(req, ids), params, rid)], self._timeout(req, timeout), model)
         return streams, rid, model, len(ids), plan
 
     def _chat_lps(self, req, token_ids, logprobs):
@@ -560,16 +623,30 @@ class OpenAIServing:
             raise to_api_error(e) from None
         finally:
             streams.close()
-        result = []
+        result, echo = [], self._chat_echo(req)
         for k, c in sorted(choices.items()):
             content, calls = tc.parse_output(plan or tc.ToolPlan(), "".join(c.text))
+            if echo and (content is not None or not calls):
+                content = echo + (content or "")
             result.append(ChatChoice(index=k, message=ChatMessage(content=content, tool_calls=tc.tool_calls(calls)),
                                      logprobs=self._chat_lps(req, c.token_ids, c.logprobs),
                                      finish_reason=tc.finish_reason(plan or tc.ToolPlan(), calls, c.finish_reason),
-                                     stop_reason=c.stop_reason))
+                                     stop_reason=c.stop_reason, token_ids=c.token_ids if req.return_token_ids else None))
         ntok = sum(len(c.token_ids) for c in choices.values())
         return ChatCompletionResponse(id=rid, model=model, choices=result, usage=self._usage(prompt_len, ntok, cached),
-                                      prompt_logprobs=self._prompt_logprobs(req, last))
+                                      prompt_logprobs=self._prompt_logprobs(req, last),
+                                      prompt_token_ids=(last.prompt_token_ids if req.return_token_ids and last else None))
+
+    @staticmethod
+    def _chat_echo(req) -> str:
+        """vLLM's chat echo: the reply starts with the final message's content when that message is
+        the assistant's (the one continue_final_message continues)."""
+        if not req.echo or req.messages[-1].role != "assistant":
+            return ""
+        content = req.messages[-1].content
+        if isinstance(content, list):
+            content = "\n".join(p.text or "" for p in content)
+        return content or ""
 
     async def _chat_stream(self, req, streams: StreamSet, rid, model, prompt_len, plan=None) -> AsyncIterator[str]:
         done, ntok, cached = set(), 0, 0
@@ -581,7 +658,12 @@ class OpenAIServing:
                     role_sent = True
                     for k in range(req.n):
                         choice = ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
-                        yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+                        yield sse(ChatCompletionStreamResponse(
+                            id=rid, model=model, choices=[choice],
+                            prompt_token_ids=out.prompt_token_ids if req.return_token_ids and k == 0 else None))
+                        if self._chat_echo(req):
+                            choice = ChatStreamChoice(index=k, delta=DeltaMessage(content=self._chat_echo(req)))
+                            yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
                 cached = out.num_cached_tokens
                 for o in out.outputs:
                     if o.index in done or (not o.text and not o.token_ids and o.finish_reason is None):
@@ -602,8 +684,12 @@ class OpenAIServing:
                         continue
                     choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(content=o.text),
                                               logprobs=self._chat_lps(req, o.token_ids, o.logprobs),
-                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                    yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+                                              token_ids=list(o.token_ids) if req.return_token_ids else None)
+                    usage = None
+                    if req.stream_options and req.stream_options.continuous_usage_stats:
+                        usage = self._usage(prompt_len, ntok, cached)
+                    yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice], usage=usage))
             if req.stream_options and req.stream_options.include_usage:
                 usage = self._usage(prompt_len, ntok, cached)
                 yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=usage))

@@ -53,9 +53,7 @@ def plan_tools(req, enable_auto_tool_choice: bool, tool_call_parser: Optional[st
     if not tools:
         if choice not in (None, "none"):
             raise error("tool_choice needs tools", "tool_choice")
-        if req.parallel_tool_calls is not None and req.parallel_tool_calls is not True:
-            raise error("parallel_tool_calls needs tools", "parallel_tool_calls")
-        return ToolPlan()
+        return ToolPlan()  # parallel_tool_calls without tools: accepted, nothing to call (as vLLM)
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise error("tools: function names must be unique", "tools")
