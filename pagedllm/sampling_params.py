@@ -206,6 +206,11 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def uses_logits_masks(self) -> bool:
+        """bad_words, allowed_token_ids or logits processors: the sampler must see this row."""
+        return bool(self.bad_words or self.allowed_token_ids or self.logits_processors)
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -125,6 +125,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.input_processor.process(prompt, params.truncate_prompt_tokens)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None  # vLLM's prompt field
+        priority = prompt.get("priority", 0) if isinstance(prompt, dict) else 0  # the server's request priority
+        extra = {"priority": priority} if priority else {}
         lora = self.resolve_lora(lora_request)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
@@ -142,7 +144,7 @@ class LLMEngine:
             for i, cid in enumerate(child_ids):
                 cp = params if params.n == 1 else params.clone(seed=None if params.seed is None else _child_seed(params.seed, i))
                 req = Request(cid, ids, cp, max_tokens=max_tokens, arrival_time=arrival_time, cache_salt=cache_salt,
-                              lora=lora)
+                              lora=lora, **extra)
                 self.core.add_request(req)
                 added.append(cid)
                 detok = (

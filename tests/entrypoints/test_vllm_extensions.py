@@ -142,6 +142,14 @@ def test_add_special_tokens_and_ignored_fields(server):
     assert post(server, "/v1/chat/completions", body).status_code == 200
 
 
+def test_priority_needs_the_priority_policy(server):
+    """As vLLM: a non-zero priority under the fcfs policy is refused, naming the field."""
+    if getattr(server.engine.config, "scheduling_policy", "fcfs") == "priority":
+        pytest.skip("this server schedules by priority")
+    r = post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "priority": -3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+
+
 def test_offline_request_masks(offline):
     base = offline.generate(["w1 w2 w3"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
     allowed = sorted(set(base.token_ids[2:5]))

@@ -276,6 +276,10 @@ class OpenAIServing:
             bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
             spaces_between_special_tokens=req.spaces_between_special_tokens,
         )
+        if req.priority and getattr(self.engine.config, "scheduling_policy", "fcfs") != "priority":
+            raise APIError(400, f"priority {req.priority} needs the server started with --scheduling-policy priority "
+                                "(as vLLM, a non-zero priority is refused under fcfs)", param="priority",
+                           code="invalid_value")
         if req.allowed_token_ids and any(not 0 <= t < self.vocab_size for t in req.allowed_token_ids):
             raise APIError(400, f"allowed_token_ids must be token ids in [0, {self.vocab_size})",
                            param="allowed_token_ids", code="invalid_value")
@@ -410,6 +414,8 @@ class OpenAIServing:
             prompt["prompt"] = text
         if req.cache_salt is not None:
             prompt["cache_salt"] = req.cache_salt
+        if req.priority:
+            prompt["priority"] = req.priority
         return prompt
 
     def _echo_logprobs(self, out: RequestOutput, n: Optional[int]):
