@@ -12,6 +12,10 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 
+# block_states() codes
+BLOCK_FREE, BLOCK_CACHED, BLOCK_IN_USE, BLOCK_SHARED = 0, 1, 2, 3
+
+
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
@@ -98,6 +102,12 @@ class BlockPool:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_states(self) -> bytes:
+        """One byte per block, by id: BLOCK_FREE, BLOCK_CACHED (free, still in the prefix cache:
+        evictable), BLOCK_IN_USE (one holder) or BLOCK_SHARED (several holders: a shared prefix)."""
+        return bytes(BLOCK_SHARED if b.ref_cnt > 1 else BLOCK_IN_USE if b.ref_cnt == 1
+                     else BLOCK_CACHED if b.block_hash is not None else BLOCK_FREE for b in self.blocks)
 
     def get_cached_block(self, block_hash: bytes) -> Optional[KVCacheBlock]:
         return self.cached.get(block_hash)

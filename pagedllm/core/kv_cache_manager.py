@@ -65,6 +65,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def block_states(self) -> bytes:
+        """Each block's state, by block id (block_pool.BLOCK_FREE / CACHED / IN_USE / SHARED)."""
+        return self.pool.block_states()
+
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

@@ -188,6 +188,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
     srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                      help="how tool_choice \"auto\" reads tool calls out of the model's output")
+    srv.add_argument("--enable-dashboard", action="store_true",
+                     help="serve GET /dashboard: a live page of the running/waiting requests, the KV cache's block "
+                          "map and the step times (behind --api-key: a browser gives the key as the password)")
     srv.add_argument("--data-parallel-size", type=int, default=1,
                      help="engine replicas behind this server: N child servers on internal ports, each pinned to "
                           "its share of the CPUs (or its own GPUs), and a prefix-aware router on --port")
@@ -340,7 +343,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  metrics_prefix=args.metrics_prefix, lora_modules=tuple(args.lora_modules or ()),
                                  allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
-                                 tool_call_parser=args.tool_call_parser)
+                                 tool_call_parser=args.tool_call_parser,
+                                 enable_dashboard=args.enable_dashboard)
         return run_server(config, server_args, args.stop_requested)
     except ValueError as e:  # bad configuration: one clear line, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)

@@ -13,9 +13,32 @@ from typing import Callable, Collection, Optional
 ErrorFactory = Callable[..., object]  # (status, message, code, headers) -> an ASGI response
 
 
-def authorized(headers: dict, key: bytes) -> bool:
-    """Whether the request's ``Authorization: Bearer <key>`` header carries ``key``."""
+# Pages a browser opens (the OpenAI server's /dashboard): a browser cannot send a bearer token
+# there, so these paths also take HTTP Basic credentials whose password is the key.
+BROWSER_PATH_PREFIX = "/dashboard"
+
+
+def is_browser_page(path: str) -> bool:
+    return path == BROWSER_PATH_PREFIX or path.startswith(BROWSER_PATH_PREFIX + "/")
+
+
+def basic_password(token: bytes) -> bytes:
+    """The password of HTTP Basic credentials (base64 of user:password); b"" if malformed."""
+    import base64
+    import binascii
+
+    try:
+        return base64.b64decode(token, validate=True).partition(b":")[2]
+    except (binascii.Error, ValueError):
+        return b""
+
+
+def authorized(headers: dict, key: bytes, allow_basic: bool = False) -> bool:
+    """Whether the request's ``Authorization: Bearer <key>`` header carries ``key`` (or, with
+    ``allow_basic``, ``Authorization: Basic`` credentials with ``key`` as the password)."""
     scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+    if allow_basic and scheme.lower() == b"basic":
+        return secrets.compare_digest(basic_password(token.strip()), key)
     return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), key)
 
 
@@ -66,8 +89,11 @@ async def guard_body(scope, receive, send, state, error: ErrorFactory, json_path
     body_coming = has_body(headers)
     close = {"Connection": "close"} if body_coming else None
     key = state.api_key
+    page = is_browser_page(scope["path"])
     if key and scope["path"] not in open_paths and scope["method"] != "OPTIONS" \
-            and not authorized(headers, key.encode()):
+            and not authorized(headers, key.encode(), allow_basic=page):
+        if page:  # the browser asks for the credentials
+            close = {**(close or {}), "WWW-Authenticate": 'Basic realm="pagedllm dashboard"'}
         await error(401, "Incorrect or missing API key: pass 'Authorization: Bearer <key>'.", "invalid_api_key",
                     close)(scope, receive, send)
         return None

@@ -68,20 +68,9 @@ class PrometheusMetrics:
     def attach(self, engine) -> None:
         """Install the callbacks on an AsyncLLM (after any already there: several apps may share
         one engine) and take its current snapshot."""
-        prev_step, prev_finished = engine.on_step, engine.on_finished
+        from pagedllm.metrics.engine_callbacks import chain_engine_callbacks
 
-        def on_step(stats, seconds: float) -> None:
-            self.on_step(stats, seconds)
-            if prev_step is not None:
-                prev_step(stats, seconds)
-
-        def on_finished(out) -> None:
-            self.on_finished(out)
-            if prev_finished is not None:
-                prev_finished(out)
-
-        engine.on_step = on_step if prev_step is not None else self.on_step
-        engine.on_finished = on_finished if prev_finished is not None else self.on_finished
+        chain_engine_callbacks(engine, self.on_step, self.on_finished)
         config = getattr(engine, "config", None)
         if getattr(config, "enable_lora", False) and self._lora_info is None:
             from prometheus_client import Gauge

@@ -125,3 +125,26 @@ def test_cache_salt_keeps_tenants_apart():
     kv.free(a)
     assert kv.num_free_blocks == 32
     kv.pool.check_consistency()
+
+
+def test_block_states_follow_holders_and_the_prefix_cache():
+    from pagedllm.core.block_pool import BLOCK_CACHED, BLOCK_FREE, BLOCK_IN_USE, BLOCK_SHARED
+
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    assert kv.block_states() == bytes([BLOCK_FREE] * 8)
+    a = make_req("a", list(range(12)))
+    kv.get_computed_blocks(a)
+    kv.allocate_slots(a, 12)
+    b = make_req("b", list(range(12)))
+    hit, n = kv.get_computed_blocks(b)
+    kv.allocate_slots(b, 4, n, hit)
+    states = kv.block_states()
+    a_ids, b_ids = kv.get_block_ids("a"), kv.get_block_ids("b")
+    assert [states[i] for i in a_ids[:2]] == [BLOCK_SHARED] * 2  # the hit blocks: two holders
+    assert states[a_ids[2]] == BLOCK_IN_USE and states[b_ids[2]] == BLOCK_IN_USE
+    assert states.count(BLOCK_FREE) == 8 - 4
+    kv.free(a)
+    kv.free(b)
+    states = kv.block_states()
+    assert states.count(BLOCK_IN_USE) == states.count(BLOCK_SHARED) == 0
+    assert states.count(BLOCK_CACHED) == 3  # a's three full blocks stay in the prefix cache, evictable

@@ -92,6 +92,7 @@ class ServerState:
         self._lock = threading.Lock()  # loader thread vs shutdown
         self.started = time.monotonic()
         self.ready_seconds: Optional[float] = None
+        self.dashboard = None  # the DashboardRecorder (--enable-dashboard) once the engine is ready
         if self.engine is not None:
             lora_modules.register_lora_modules(self.engine, self.args.lora_modules, self.served_model_names)
             self._ready(self.engine)
@@ -133,6 +134,10 @@ class ServerState:
 
     def _ready(self, engine) -> None:
         self.metrics.attach(engine)
+        if self.args.enable_dashboard:
+            from pagedllm.entrypoints.openai.dashboard import attach_recorder
+
+            self.dashboard = attach_recorder(engine)
         self.engine = engine
         if self.args.trust_request_chat_template and self.template_sandbox is None:
             from pagedllm.tokenizer.chat_template import TemplateSandbox
@@ -415,6 +420,11 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     async def detokenize(req: DetokenizeRequest):
         return json_response(DetokenizeResponse(prompt=state.require().detokenize(req)))
 
+    if state.args.enable_dashboard:
+        from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
+
+        add_dashboard_routes(app, state)
+
     @app.get("/metrics")
     async def metrics():
         body, content_type = state.metrics.render(state.engine.stats if state.engine is not None else None)
@@ -445,6 +455,7 @@ class ServerArgs:
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: Optional[str] = None  # hermes | llama3_json: how "auto" reads the model's tool calls
+    enable_dashboard: bool = False  # GET /dashboard: the live engine page (dashboard.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:

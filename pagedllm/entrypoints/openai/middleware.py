@@ -29,6 +29,7 @@ def _error(status: int, message: str, code: str, headers: Optional[dict[str, str
     return error_response(status, message, code=code, headers=headers)
 
 
+
 _REQUEST_ID_OK = re.compile(r"[!-~]{1,128}")  # visible ASCII, at most 128 characters
 _JSON_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
                          "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
