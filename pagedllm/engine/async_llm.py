@@ -1,9 +1,16 @@
-"""AsyncLLM: the engine's step loop on a background thread, one async stream per request.
+"""AsyncLLM: the engine's front end on a background thread, one async stream per request.
 
-The event loop never waits for a step: requests are validated on the caller's side (so bad
-input raises at once), then handed to the engine thread through a command queue; outputs come
-back through ``loop.call_soon_threadsafe``. A stream that is closed early (client disconnect,
-cancellation) aborts its request, which frees its KV blocks at the next loop turn.
+The event loop never waits for a step: a request is validated and tokenised once on the
+caller's side (InputProcessor -> EngineCoreRequest, so bad input raises at once), then handed
+to the engine thread through a command queue; outputs come back through
+``loop.call_soon_threadsafe``. A stream that is closed early (client disconnect, cancellation)
+aborts its request, which frees its KV blocks at the next loop turn.
+
+The engine thread runs the LLMEngine front end: with the core in its own process (the server's
+default, ``multiprocess=True``) it only sends requests and turns the core's outputs into
+RequestOutputs (detokenisation, stop strings), while the core process steps on its own; with an
+in-process core it also runs the steps. A core process that dies ends every stream with
+EngineDeadError within a loop turn and ``is_running`` turns False (/health answers 503).
 """
 from __future__ import annotations
 
@@ -16,16 +23,13 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from pagedllm.config import EngineConfig, resolve_max_waiting_requests
+from pagedllm.engine.core_client import EngineDeadError, default_multiprocess  # noqa: F401 (re-exported)
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 class QueueFullError(RuntimeError):
@@ -49,11 +53,18 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None) -> None:
+    """``multiprocess`` (when it builds the engine): the core in its own process; default on
+    unless PAGEDLLM_ENGINE_CORE_PROCESS=0."""
+
+    def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None,
+                 multiprocess: Optional[bool] = None, skip_tokenizer_init: bool = False) -> None:
         self.config = config
-        self.engine = engine or LLMEngine(config)
+        self.engine = engine or LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init,
+                                          multiprocess=default_multiprocess() if multiprocess is None else multiprocess)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
+        self.input_processor = self.engine.input_processor
+        self.lora_registry = self.engine.lora_registry
         self.default_sampling_params = self.engine.default_sampling_params  # from generation_config.json
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -67,6 +78,7 @@ class AsyncLLM:
         self.stats = self.engine.get_stats()
         self.on_finished = None  # optional callback(RequestOutput) on the engine thread (metrics)
         self.on_step = None  # optional callback(stats, step_seconds) on the engine thread
+        self.on_step_phases = None  # optional callback(StepTiming, output_seconds) per core step
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -97,17 +109,16 @@ class AsyncLLM:
                 f"the server is overloaded: {self._num_pending} sequences in flight and this request adds "
                 f"{seqs}; the limit is max_num_seqs + max_waiting_requests = {capacity}; retry later"
             )
-        # raises ValueError on bad input, here and now
-        self.engine.input_processor.process(prompt, getattr(params, "truncate_prompt_tokens", None))
-        self.engine.resolve_lora(lora_request)  # likewise a bad adapter (known ones are a dict lookup)
         request_id = request_id or f"req-{time.monotonic_ns()}-{id(prompt)}"
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # Validated and tokenised once, here (ValueError on bad input, here and now).
+        processed = self.engine.make_request(request_id, prompt, params, time.monotonic(), lora_request)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._count(request_id, seqs)
-        self._commands.put(("add", request_id, prompt, params, time.monotonic(), lora_request))
-        self._wakeup.set()
+        self._commands.put(("add", processed))
+        self._wake()
         finished = False
         try:
             while True:
@@ -133,14 +144,26 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+        self._wake()
+
+    def _wake(self) -> None:
         self._wakeup.set()
+        self.engine.client.wake()  # a core in another process: stop waiting for its output
 
     async def get_stats(self):
         return self.stats
 
+    def core_snapshot(self) -> dict:
+        """The core's running and waiting requests and KV block map (EngineCore.snapshot); blocking."""
+        return self.engine.client.snapshot()
+
+    def check_structured_outputs(self, params) -> None:
+        """Compile a request's output constraint (ValueError naming the field); blocking."""
+        self.engine.check_structured_outputs(params)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._wakeup.set()
+        self._wake()
         self._thread.join(timeout)
         self.engine.shutdown()
 
@@ -152,14 +175,14 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, arrival, lora_request = cmd
+                processed = cmd[1]
+                rid = processed.request.request_id
                 stream = self._streams.get(rid)
                 if stream is None:
                     self._release(rid)
                     continue  # aborted before it was added
                 try:
-                    self.engine.add_request(rid, prompt, params, output_kind=OUTPUT_DELTA, arrival_time=arrival,
-                                            lora_request=lora_request)
+                    self.engine.add_core_request(processed, OUTPUT_DELTA)
                 except Exception as e:  # e.g. duplicate id: fail this request only
                     self._streams.pop(rid, None)
                     self._release(rid)
@@ -176,6 +199,17 @@ class AsyncLLM:
                 for out in finals:
                     self._notify_finished(out)
 
+    def _notify_step(self, timing, seconds: float) -> None:
+        """The step callbacks (a core in another process: its own step time); a failure there is
+        logged, never the engine's."""
+        try:
+            if self.on_step is not None:
+                self.on_step(self.stats, seconds if self.engine.client.in_process else timing.total)
+            if self.on_step_phases is not None:
+                self.on_step_phases(timing, self.engine.last_output_seconds)
+        except Exception:
+            logger.exception("the on_step callback raised")
+
     def _notify_finished(self, out: RequestOutput) -> None:
         """The metrics callback; a failure there is logged, never the engine's."""
         if self.on_finished is None:
@@ -189,22 +223,19 @@ class AsyncLLM:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
-                if not self.engine.has_unfinished_requests():
-                    executor = self.engine.core.executor
-                    if executor.is_dead:  # e.g. a Ray worker died while idle: fail now, /health turns 503
-                        raise RuntimeError(getattr(executor, "dead_reason", None) or "the engine's workers died")
-                    self.stats = self.engine.get_stats()
+                engine = self.engine
+                if not engine.has_unfinished_requests() and engine.client.in_process:
+                    engine.client.check_alive()  # e.g. a Ray worker died while idle: fail now, /health turns 503
+                    self.stats = engine.get_stats()
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
                     continue
                 t0 = time.perf_counter()
-                outputs = self.engine.step()
-                self.stats = self.engine.get_stats()
-                if self.on_step is not None:
-                    try:
-                        self.on_step(self.stats, time.perf_counter() - t0)
-                    except Exception:
-                        logger.exception("the on_step callback raised")
+                outputs = engine.step()  # a core in another process: its next outputs (waits up to 0.5 s)
+                core_outputs = engine.last_core_outputs
+                self.stats = core_outputs.stats or self.stats
+                if core_outputs.timing is not None:  # a core step ran
+                    self._notify_step(core_outputs.timing, time.perf_counter() - t0)
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:

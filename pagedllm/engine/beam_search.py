@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 from pagedllm.core.beam_group import BeamGroup
 from pagedllm.core.contracts import BeamHypothesis, EngineCoreOutput
-from pagedllm.core.request import Request
+from pagedllm.core.engine_request import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -120,28 +120,28 @@ class _BeamRequest:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     params: SamplingParams
-    group: BeamGroup
     arrival_time: float
 
 
-class BeamRequests:
-    """The engine's beam-search requests (LLMEngine owns one)."""
+def make_beam_group(req: EngineCoreRequest, tokenizer) -> BeamGroup:
+    """The core's group of a beam request (its stop-string checker decodes with ``tokenizer``)."""
+    spec = req.beam
+    return BeamGroup(req.request_id, spec.beam_width, spec.length_penalty, spec.early_stopping,
+                     make_stop_checker(tokenizer, req.sampling_params.stop))
 
-    def __init__(self, tokenizer, output_processor, eos_token_ids: list[int]) -> None:
+
+class BeamRequests:
+    """The front end's beam-search requests (the OutputProcessor owns one); the search itself is
+    the core's BeamGroup, whose hypotheses come back in the group's final EngineCoreOutput."""
+
+    def __init__(self, tokenizer, output_processor) -> None:
         self.tokenizer = tokenizer
         self.output_processor = output_processor  # its logprob-dict builder is shared
-        self.eos_token_ids = eos_token_ids
         self.requests: dict[str, _BeamRequest] = {}
 
-    def make_request(self, request_id: str, text: Optional[str], ids: list[int], bp: BeamSearchParams,
-                     max_tokens: int, arrival_time: Optional[float]) -> Request:
-        sp = bp.to_sampling_params().with_eos(self.eos_token_ids)
-        group = BeamGroup(request_id, bp.beam_width, bp.length_penalty, bp.early_stopping,
-                          make_stop_checker(self.tokenizer, sp.stop))
-        req = Request(request_id, ids, sp, max_tokens=max_tokens, arrival_time=arrival_time)
-        req.beam = group
-        self.requests[request_id] = _BeamRequest(request_id, text, ids, sp, group, req.arrival_time)
-        return req
+    def add(self, req: EngineCoreRequest, prompt: Optional[str]) -> None:
+        self.requests[req.request_id] = _BeamRequest(req.request_id, prompt, req.prompt_token_ids,
+                                                     req.sampling_params, req.arrival_time)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -149,7 +149,7 @@ class BeamRequests:
     def finish(self, out: EngineCoreOutput) -> RequestOutput:
         """The group's final output (its hypotheses, best first); the request is forgotten."""
         br = self.requests.pop(out.req_id)
-        hyps = out.beam_hypotheses if out.beam_hypotheses is not None else br.group.results()
+        hyps = out.beam_hypotheses or []
         completions = [self._completion(i, h, br.params) for i, h in enumerate(hyps)]
         if out.finish_reason in ("abort", "error"):
             for c in completions:
@@ -167,12 +167,6 @@ class BeamRequests:
         br = self.requests.pop(request_id, None)
         prompt, ids = (br.prompt, br.prompt_token_ids) if br is not None else (None, [])
         return RequestOutput(request_id, prompt, ids, None, [CompletionOutput(0, "", [], None, None, "error")], True)
-
-    def abort(self, request_id: str) -> Optional[RequestOutput]:
-        br = self.requests.get(request_id)
-        if br is None:
-            return None
-        return self.finish(EngineCoreOutput(request_id, [], finish_reason="abort", beam_hypotheses=br.group.results()))
 
     def _completion(self, index: int, h: BeamHypothesis, sp: SamplingParams) -> CompletionOutput:
         ids = list(h.token_ids)

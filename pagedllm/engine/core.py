@@ -11,12 +11,14 @@ form the next micro-batches); outputs are applied in submission order.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
 from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
+from pagedllm.core.engine_request import EngineCoreRequest, EngineLimits, StepTiming
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import Request, RequestStatus, finish_reason_of
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.executor.base import Executor
 from pagedllm.models.config_json import load_hf_config
@@ -36,13 +38,27 @@ def _spec_limits(config: EngineConfig) -> dict:
     return {"num_spec_tokens": spec.num_speculative_tokens, "spec_disable_batch_size": disable}
 
 
+_FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED,
+                  "error": RequestStatus.FINISHED_ERROR}
+
+
+def finish_status(reason: str) -> RequestStatus:
+    """The status a front end's finish reason ("abort", "stop", "error") sets in the scheduler."""
+    return _FINISH_STATUS[reason]
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, hf_config=None) -> None:
+    """``tokenizer`` (optional): for structured outputs' grammars and beam search's stop strings
+    (the core decodes nothing else); ``eos_token_ids``: the model's, for the grammars;
+    ``executor_factory``: see _make_executor."""
+
+    def __init__(self, config: EngineConfig, hf_config=None, tokenizer=None, eos_token_ids=(),
+                 executor_factory=None) -> None:
         self.config = config
         self.hf_config = hf_config if hf_config is not None else load_hf_config(config.model)
         self.max_model_len = resolve_max_model_len(self.hf_config, config.max_model_len)
         self.max_num_batched_tokens = resolve_max_num_batched_tokens(config, self.max_model_len)
-        self.executor: Executor = self._make_executor()
+        self.executor: Executor = self._make_executor(executor_factory)
         if self.executor.max_model_len != self.max_model_len:  # the KV cache holds less: the scheduler's limits follow
             self.max_model_len = self.executor.max_model_len
             self.max_num_batched_tokens = min(self.max_num_batched_tokens,
@@ -68,12 +84,30 @@ class EngineCore:
             # work on the others; with either, a quiet 2-thread CPU turned a 1.7x n-gram and a
             # 1.2x EAGLE speed-up off (docs/benchmarks.md, issue 20).
             self.scheduler.spec_governor = SpecGovernor()
-        self.structured = None  # StructuredOutputs, set by the LLMEngine (it needs the tokenizer)
+        self.tokenizer = tokenizer
+        self.structured = None  # StructuredOutputs (constrained decoding needs the tokenizer)
+        if tokenizer is not None:  # xgrammar is imported on first use
+            from pagedllm.engine.structured_outputs import StructuredOutputs
+            from pagedllm.structured_output.manager import StructuredOutputManager
+
+            self.structured = StructuredOutputs(
+                StructuredOutputManager(tokenizer, self.hf_config.vocab_size, list(eos_token_ids)))
+        self.last_timing = StepTiming()  # the last step's phases
+        self._phase = [0.0, 0.0, 0.0]
+        self._last_mark = 0.0
+        self._beam_groups: dict = {}  # beam searches running (by request id): their live beams on an abort
         self.pp_size = config.pipeline_parallel_size
+        # Steps kept in flight: one per pipeline stage, or what an asynchronous executor runs at
+        # once (executor/simulated.py: the host prepares step N+1 while the device runs step N).
+        self.batch_depth = max(self.pp_size, getattr(self.executor, "max_concurrent_batches", 1))
         self._batch_queue: deque = deque()  # pipeline parallel: submitted SchedulerOutputs, oldest first
 
-    def _make_executor(self) -> Executor:
+    def _make_executor(self, factory=None) -> Executor:
+        """``factory(config, hf_config, max_model_len, max_num_batched_tokens)``: another executor
+        (executor/simulated.py's simulated device) instead of the configured one."""
         args = (self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
+        if factory is not None:
+            return factory(*args)
         if self.config.distributed_executor_backend == "ray":
             from pagedllm.executor.ray_executor import RayExecutor
 
@@ -90,27 +124,39 @@ class EngineCore:
     def num_blocks(self) -> int:
         return self.executor.num_blocks
 
-    def add_request(self, request: Request) -> None:
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {request.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}: "
-                "there is no room to generate a token"
-            )
-        if self.pp_size > 1 and getattr(request, "beam", None) is not None:
-            raise ValueError("beam search does not support pipeline_parallel_size > 1 yet")
-        if request.sampling_params.structured_outputs is not None:
-            if self.structured is None:
-                raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
-            if getattr(self.config, "speculative_config", None) is not None:  # the mask covers one token a step
-                raise ValueError("structured_outputs cannot be combined with speculative decoding on this engine yet")
-            self.structured.add(request)  # compiled off the step loop; scheduled once compiled
-            return
-        self.scheduler.add_request(request)
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request (validated by the front end's InputProcessor): its children, or its
+        beam group's root."""
+        for req in self._core_requests(request):
+            if req.sampling_params.structured_outputs is not None:
+                self.structured.add(req)  # compiled off the step loop; scheduled once compiled
+            else:
+                self.scheduler.add_request(req)
 
-    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> list[str]:
+    def _core_requests(self, r: EngineCoreRequest) -> list[Request]:
+        extra = {"priority": r.priority} if r.priority else {}  # refused by the server unless the policy is "priority"
+        if r.beam is not None:
+            from pagedllm.engine.beam_search import make_beam_group
+
+            req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, max_tokens=r.max_tokens,
+                          arrival_time=r.arrival_time, cache_salt=r.cache_salt, **extra)
+            req.beam = self._beam_groups[r.request_id] = make_beam_group(r, self.tokenizer)
+            return [req]
+        return [Request(cid, r.prompt_token_ids, r.child_params(i), max_tokens=r.max_tokens,
+                        arrival_time=r.arrival_time, cache_salt=r.cache_salt, lora=r.lora, **extra)
+                for i, cid in enumerate(r.child_ids)]
+
+    def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+                       ) -> list[EngineCoreOutput]:
+        """Finish these (core) requests; the final outputs of the beam searches among them (their
+        live beams so far)."""
         request_ids = list(request_ids)
-        compiling = self.structured.abort(request_ids) if self.structured is not None else []
-        return compiling + self.scheduler.finish_requests(request_ids, status)
+        if self.structured is not None:
+            self.structured.abort(request_ids)
+        done = self.scheduler.finish_requests(request_ids, status)
+        reason = finish_reason_of(status)
+        return [EngineCoreOutput(rid, [], finish_reason=reason, beam_hypotheses=self._beam_groups.pop(rid).results())
+                for rid in done if rid in self._beam_groups]
 
     def has_unfinished_requests(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
@@ -132,46 +178,75 @@ class EngineCore:
         return self.structured.after_update(outputs, self.scheduler) if self.structured is not None else outputs
 
     def step(self) -> list[EngineCoreOutput]:
+        t0 = time.perf_counter()
+        self._phase = [0.0, 0.0, 0.0]  # schedule, execute, update (perf_counter marks, see _mark)
+        self._last_mark = t0
+        outputs = self._step()
+        if self._beam_groups:
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self._beam_groups.pop(out.req_id, None)
+        sched, execute, update = self._phase
+        self.last_timing = StepTiming(schedule=sched, execute=execute, update=update,
+                                      total=time.perf_counter() - t0)
+        return outputs
+
+    def _mark(self, phase: int) -> None:
+        """Charge the time since the last mark to ``phase`` (0 schedule, 1 execute, 2 update)."""
+        now = time.perf_counter()
+        self._phase[phase] += now - self._last_mark
+        self._last_mark = now
+
+    def _step(self) -> list[EngineCoreOutput]:
         admitted: list[EngineCoreOutput] = []
         if self.structured is not None and self.structured.compiling:
             admitted = self.structured.admit(self.scheduler, idle=not self.scheduler.has_unfinished_requests())
-        if self.pp_size > 1:
+        if self.batch_depth > 1:
             return admitted + self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
+        self._mark(0)
         try:
             runner_output = self._execute(scheduler_output)
+            self._mark(1)
         except Exception:
             if self.executor.is_dead:  # e.g. a tensor-parallel rank is gone: nothing to save
                 raise
             logger.exception("step failed (%d requests); isolating the request that caused it",
                              len(scheduler_output.num_scheduled_tokens))
             return admitted + self._isolate(scheduler_output)
-        return admitted + self._update(scheduler_output, runner_output)
+        outputs = self._update(scheduler_output, runner_output)
+        self._mark(2)
+        return admitted + outputs
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Submit a new batch while fewer than pipeline_parallel_size are in flight; else (or
         when nothing new can be scheduled) collect the oldest batch's output. A failure here is
         the engine's: the stages are out of step, so no request is retried."""
         queue, sched = self._batch_queue, self.scheduler
-        if len(queue) < self.pp_size:
+        if len(queue) < self.batch_depth:
             # micro-batches split the requests: each takes at most 1/P of them, so the next batch
             # has requests that are not in flight (with one batch of all of them, stages would idle)
             sched.max_batch_reqs = -(-min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
-                                     // self.pp_size)
+                                     // self.batch_depth)
             so = sched.schedule()
+            self._mark(0)
             if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
                 grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
                 self.executor.submit(so, grammar)
+                self._mark(1)
                 queue.append(so)
                 self.scheduler.in_flight.update(so.num_scheduled_tokens)
-                if so.num_scheduled_tokens and len(queue) < self.pp_size:
+                if so.num_scheduled_tokens and len(queue) < self.batch_depth:
                     return []  # room for another batch: its output is collected later
         if not queue:
             return []
         so = queue.popleft()
         runner_output = self.executor.collect()
+        self._mark(1)
         self.scheduler.in_flight.difference_update(so.num_scheduled_tokens)
-        return self._update(so, runner_output)
+        outputs = self._update(so, runner_output)
+        self._mark(2)
+        return outputs
 
     def _isolate(self, failed) -> list[EngineCoreOutput]:
         """A step raised: one request's input is the likely cause, so only it should fail. Its
@@ -200,6 +275,39 @@ class EngineCore:
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
+
+    def snapshot(self) -> dict:
+        """The scheduler's running and waiting requests (plain dicts) and the KV block map
+        (KVCacheManager.block_states), for the server's dashboard."""
+        scheduler, kv = self.scheduler, self.kv_cache_manager
+        for _ in range(3):  # called from another thread in-process: a list may change while copied
+            try:
+                running, waiting = list(scheduler.running), list(scheduler.waiting)
+                states = kv.block_states()
+                break
+            except RuntimeError:
+                continue
+        else:
+            running, waiting, states = [], [], b""
+
+        def describe(req) -> dict:
+            try:
+                blocks = len(kv.get_block_ids(req.request_id))
+            except KeyError:
+                blocks = 0
+            return {"id": req.request_id, "state": req.status.name.lower(), "arrival_time": req.arrival_time,
+                    "prompt_tokens": req.num_prompt_tokens, "output_tokens": req.num_output_tokens,
+                    "max_tokens": req.max_tokens, "cached_tokens": max(0, req.num_cached_tokens), "blocks": blocks}
+
+        return {"running": [describe(r) for r in running], "waiting": [describe(r) for r in waiting],
+                "block_states": states}
+
+    def limits(self) -> EngineLimits:
+        """What the front end checks requests against."""
+        c = self.config
+        return EngineLimits(self.max_model_len, c.max_num_seqs, self.max_num_batched_tokens, self.num_blocks,
+                            c.block_size, c.max_n, pipeline_parallel=self.batch_depth > 1,
+                            speculative=c.speculative_config is not None)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

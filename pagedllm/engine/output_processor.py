@@ -1,5 +1,9 @@
 """OutputProcessor: EngineCoreOutputs -> RequestOutputs (detokenization, stop strings, logprobs).
 
+It owns the front end's view of every request: a ``ParentRequest`` per request (its children's
+RequestStates, n > 1 and best_of gathered into one RequestOutput) and the beam searches' records
+(engine/beam_search.py); the core only knows child sequences and beam groups.
+
 Stop strings are matched on the text as it grows, including across token boundaries; a match
 finishes the request (the engine then aborts it in the scheduler so its blocks are freed).
 While streaming, the last ``max_stop_len - 1`` characters are held back so a partial stop
@@ -7,12 +11,15 @@ string is never shown.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 from pagedllm.core.contracts import EngineCoreOutput, Logprobs
-from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, SampleLogprobs
+from pagedllm.core.engine_request import EngineCoreRequest
+from pagedllm.engine.best_of import pick_best
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -46,10 +53,190 @@ class RequestState:
         return self.finish_reason is not None
 
 
+OUTPUT_FINAL, OUTPUT_CUMULATIVE, OUTPUT_DELTA = "final", "cumulative", "delta"
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResults:
+    outputs: list[RequestOutput]
+    stopped: list[str]  # core ids a stop string finished
+    failed: list[str]  # core ids whose output could not be processed
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    child_ids: list[str]
+    output_kind: str
+    best_of: Optional[SamplingParams] = None  # best_of > n: the request's params (engine/best_of.py)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer) -> None:
+        from pagedllm.engine.beam_search import BeamRequests
+
         self.tokenizer = tokenizer
         self.states: dict[str, RequestState] = {}
+        self.parents: dict[str, ParentRequest] = {}
+        self.beams = BeamRequests(tokenizer, self)  # beam searches (one RequestOutput when each ends)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.parents or request_id in self.beams
+
+    def num_unfinished(self) -> int:
+        return len(self.parents) + len(self.beams.requests)
+
+    def add_parent(self, req: EngineCoreRequest, prompt: Optional[str], output_kind: str,
+                   best_of: Optional[SamplingParams]) -> None:
+        """Track a sampled request's children (before the core sees it)."""
+        if req.beam is not None:
+            self.beams.add(req, prompt)
+            return
+        child_ids = req.child_ids
+        for i, cid in enumerate(child_ids):
+            cp = req.child_params(i)
+            detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, cp.skip_special_tokens)
+                     if self.tokenizer is not None and cp.detokenize else None)
+            self.add_request(RequestState(cid, req.request_id, i, prompt, req.prompt_token_ids, cp, detok,
+                                          arrival_time=req.arrival_time))
+        self.parents[req.request_id] = ParentRequest(req.request_id, prompt, req.prompt_token_ids, child_ids,
+                                                     output_kind, best_of=best_of)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request that never reached the core."""
+        parent = self.parents.pop(request_id, None)
+        for cid in parent.child_ids if parent is not None else ():
+            self.remove(cid)
+        self.beams.requests.pop(request_id, None)
+
+    def core_ids(self, request_id: str) -> list[str]:
+        """The core's request ids of a request (its children, or its beam group)."""
+        if request_id in self.beams:
+            return [request_id]
+        parent = self.parents.get(request_id)
+        return list(parent.child_ids) if parent is not None else []
+
+    def abort(self, request_id: str, core_outputs: list[EngineCoreOutput]) -> Optional[RequestOutput]:
+        """Finish a request as aborted; its final RequestOutput (for metrics). ``core_outputs``:
+        what the core returned for the abort (a beam group's live beams), if anything."""
+        if request_id in self.beams:
+            out = next((o for o in core_outputs if o.req_id == request_id), None)
+            return self.beams.finish(out or EngineCoreOutput(request_id, [], finish_reason="abort"))
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for cid in parent.child_ids:
+            st = self.states.get(cid)
+            if st is not None and st.finish_reason is None:
+                st.finish_reason = "abort"
+        ro = None
+        if all(c in self.states for c in parent.child_ids):
+            ro = self._make_output(parent)  # removes the parent and its states
+        self.drop(request_id)
+        return ro
+
+    # ---- a step's outputs -------------------------------------------------------------------
+    def process_outputs(self, outputs: list[EngineCoreOutput], step_start: float) -> StepResults:
+        """The step's RequestOutputs, the core ids a stop string finished and those that failed
+        here (the caller finishes both in the core). Outputs of requests already finished here (a
+        stop string, an abort the core has not applied yet) are dropped. A raise while processing
+        one request's output (detokenizing, stop strings, logprob dicts, building its output)
+        fails that request only (all its children), with finish reason "error"."""
+        touched: dict[str, None] = {}
+        res = StepResults([], [], [])
+        for out in outputs:
+            is_beam = out.req_id in self.beams
+            try:
+                if is_beam:  # a beam search ended: its beam_width best sequences
+                    res.outputs.append(self.beams.finish(out))
+                    continue
+                st = self.states.get(out.req_id)
+                if st is None or st.finished:
+                    continue
+                st, stopped_by_string = self.process(out)
+                if out.finish_reason == "error" and len(self.parents[st.parent_id].child_ids) > 1:
+                    self._fail_children(st.parent_id, res)  # its siblings stop too: the request has failed
+                if st.scheduled_time is None:  # start of the step that first produced output (queue time metric)
+                    st.scheduled_time = step_start
+                if stopped_by_string:
+                    res.stopped.append(out.req_id)
+                touched[st.parent_id] = None
+            except Exception:
+                logger.exception("request %s: processing its output failed; it finishes with \"error\"", out.req_id)
+                if is_beam:
+                    res.failed.append(out.req_id)
+                    res.outputs.append(self.beams.fail(out.req_id))
+                elif out.req_id in self.states:
+                    pid = self.states[out.req_id].parent_id
+                    self._fail_children(pid, res)
+                    touched[pid] = None
+        for pid in touched:
+            parent = self.parents.get(pid)
+            if parent is None:
+                continue
+            try:
+                ro = self._make_output(parent)
+            except Exception:
+                logger.exception("request %s: building its output failed; it finishes with \"error\"", pid)
+                self._fail_children(pid, res)
+                ro = self._error_output(parent)
+            if ro is not None:
+                res.outputs.append(ro)
+        return res
+
+    def _fail_children(self, parent_id: str, res: "StepResults") -> None:
+        """One child's output could not be processed (or failed in the core): the whole request
+        (all n children) ends with "error", here and (through ``res.failed``) in the core."""
+        parent = self.parents.get(parent_id)
+        if parent is None:
+            return
+        res.failed.extend(parent.child_ids)
+        for cid in parent.child_ids:
+            st = self.states.get(cid)
+            if st is not None:
+                st.finish_reason, st.stop_reason = "error", None
+
+    def _error_output(self, parent: ParentRequest) -> RequestOutput:
+        """The final output of a failed request, built from nothing that could have raised."""
+        self.drop(parent.request_id)
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, None,
+                             [CompletionOutput(i, "", [], None, None, "error") for i in range(len(parent.child_ids))],
+                             True)
+
+    def _make_output(self, parent: ParentRequest) -> Optional[RequestOutput]:
+        states = [self.states[c] for c in parent.child_ids]
+        finished = all(s.finished for s in states)
+        if (parent.output_kind == OUTPUT_FINAL or parent.best_of is not None) and not finished:
+            return None
+        completions = [self.completion(s, delta=parent.output_kind == OUTPUT_DELTA) for s in states]
+        if parent.best_of is not None:
+            completions = pick_best(completions, parent.best_of)
+        first = states[0]
+        ro = RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            metrics={
+                "arrival_time": first.arrival_time,
+                "first_token_time": min((s.first_token_time for s in states if s.first_token_time), default=None),
+                "last_token_time": max((s.last_token_time for s in states if s.last_token_time), default=None),
+                "scheduled_time": min((s.scheduled_time for s in states if s.scheduled_time), default=None),
+                "num_generated_tokens": sum(len(s.token_ids) for s in states),
+            },
+        )
+        if finished:
+            self.drop(parent.request_id)
+        return ro
+
+    # ---- one sequence -----------------------------------------------------------------------
 
     def add_request(self, state: RequestState) -> None:
         if state.params.logprobs is not None:

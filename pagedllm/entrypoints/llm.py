@@ -18,12 +18,15 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))  # doctest: +SKIP
     """
 
-    def __init__(self, model: Optional[str] = None, skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
+    def __init__(self, model: Optional[str] = None, skip_tokenizer_init: bool = False,
+                 engine_core_process: bool = False, **kwargs: Any) -> None:
+        """``engine_core_process``: run the engine core (scheduler, KV cache, model) in a process
+        of its own, as the server does (here the default is one process)."""
         if "kv_cache_space" in kwargs:  # vLLM CPU spelling, in GiB
             kwargs["kv_cache_memory"] = int(kwargs.pop("kv_cache_space") * 1024**3)
         config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         self.config = config
-        self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init)
+        self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init, multiprocess=engine_core_process)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -101,16 +104,23 @@ class LLM:
             self.engine.resolve_lora(lr)
         return loras
 
+    def _process_prompts(self, items: list[Any], params: Optional[list[SamplingParams]] = None) -> list[Any]:
+        """Each prompt validated and tokenised (once: the engine takes the result as it is)."""
+        processed = []
+        for i, item in enumerate(items):
+            truncate = params[i].truncate_prompt_tokens if params is not None else None
+            try:
+                processed.append(self.engine.input_processor.process(item, truncate))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return processed
+
     def _run(self, items: list[Any], params: list[SamplingParams], use_tqdm: bool,
              lora_request=None) -> list[RequestOutput]:
         engine = self.engine
         loras = self._expand_loras(lora_request, len(items))
         # Validate everything before anything is queued: one bad prompt fails the call cleanly.
-        for i, (item, sp) in enumerate(zip(items, params)):
-            try:
-                engine.input_processor.process(item, getattr(sp, "truncate_prompt_tokens", None))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+        items = self._process_prompts(items, params)
         for sp in dict.fromkeys(map(id, params)):  # a bad schema/regex/grammar: ValueError before anything runs
             engine.check_structured_outputs(next(p for p in params if id(p) == sp))
         ids = []
@@ -151,11 +161,7 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         engine = self.engine
-        for i, (item, sp) in enumerate(zip(items, params)):
-            try:
-                engine.input_processor.process(item, getattr(sp, "truncate_prompt_tokens", None))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+        items = self._process_prompts(items)
         ids: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:

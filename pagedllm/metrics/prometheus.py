@@ -16,6 +16,9 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                  0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 _FINISH_REASONS = ("stop", "length", "abort", "error")
+_PHASES = ("schedule", "execute", "update", "output")
+_PHASE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                  2.5)
 
 
 class PrometheusMetrics:
@@ -56,6 +59,13 @@ class PrometheusMetrics:
         self.queue_time = hist(f"{prefix}:request_queue_time_seconds", "Arrival to first scheduled step.",
                                _LATENCY_BUCKETS)
         self.step_time = hist(f"{prefix}:engine_step_seconds", "Duration of one engine step.", _TPOT_BUCKETS)
+        # issue 31: where a step's time goes (engine/core.py's StepTiming, plus the front end's
+        # output processing), one series per phase
+        self.step_phase = Histogram(f"{prefix}:engine_step_phase_seconds", "Time of one engine step spent in each "
+                                    "phase: schedule, execute (prepare inputs + forward + sample), update, "
+                                    "output (detokenize, stop strings, results).", ["model_name", "phase"],
+                                    buckets=_PHASE_BUCKETS, registry=r)
+        self._phases = {p: self.step_phase.labels(model_name, p) for p in _PHASES}
         self._lock = threading.Lock()
         self._last = None  # previous SchedulerStats, for counter deltas
         self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
@@ -71,6 +81,14 @@ class PrometheusMetrics:
         from pagedllm.metrics.engine_callbacks import chain_engine_callbacks
 
         chain_engine_callbacks(engine, self.on_step, self.on_finished)
+        if hasattr(engine, "on_step_phases"):  # AsyncLLM: per-phase step timings (test doubles may lack it)
+            prev_phases = engine.on_step_phases
+
+            def on_step_phases(timing, output_seconds: float) -> None:
+                self.on_step_phases(timing, output_seconds)
+                prev_phases(timing, output_seconds)
+
+            engine.on_step_phases = on_step_phases if prev_phases is not None else self.on_step_phases
         config = getattr(engine, "config", None)
         if getattr(config, "enable_lora", False) and self._lora_info is None:
             from prometheus_client import Gauge
@@ -135,6 +153,14 @@ class PrometheusMetrics:
     def on_step(self, stats, seconds: float) -> None:
         self.update_stats(stats)
         self.step_time.observe(seconds)
+
+    def on_step_phases(self, timing, output_seconds: float) -> None:
+        """One core step's StepTiming and the front end's output processing of it."""
+        ph = self._phases
+        ph["schedule"].observe(timing.schedule)
+        ph["execute"].observe(timing.execute)
+        ph["update"].observe(timing.update)
+        ph["output"].observe(output_seconds)
 
     def on_finished(self, out) -> None:
         m = out.metrics or {}

@@ -87,7 +87,8 @@ def assert_clean(engine: LLMEngine) -> None:
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
     engine.core.kv_cache_manager.pool.check_consistency()
-    assert not engine.output_processor.states and not engine.parents and not engine.beams.requests
+    op = engine.output_processor
+    assert not op.states and not op.parents and not op.beams.requests
 
 
 @pytest.mark.parametrize("where,n", [("scheduler_update", 1), ("scheduler_update", 2), ("output_processor", 2),

@@ -58,11 +58,13 @@ class LiveServer:
         self.thread.join(30)
 
 
-def make_engine(model: str, **kw):
+def make_engine(model: str, multiprocess: bool = True, **kw):
+    """An AsyncLLM; ``multiprocess=False`` keeps the core in this process (for tests that patch
+    its executor)."""
     from pagedllm.config import EngineConfig
     from pagedllm.engine.async_llm import AsyncLLM
 
-    return AsyncLLM(EngineConfig(model=model, **{**ENGINE_KW, **kw}))
+    return AsyncLLM(EngineConfig(model=model, **{**ENGINE_KW, **kw}), multiprocess=multiprocess)
 
 
 def wait_idle(engine, timeout: float = 20.0) -> None:

@@ -55,7 +55,8 @@ class SteppingGate:
 def dash(llama_ckpt):
     from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
 
-    engine = make_engine(llama_ckpt, enable_prefix_caching=True, max_num_seqs=4)
+    # the core in this process: the gate holds its steps
+    engine = make_engine(llama_ckpt, multiprocess=False, enable_prefix_caching=True, max_num_seqs=4)
     gate = SteppingGate(engine.engine)
     live = LiveServer(build_app(engine, served_model_name="tiny", api_key=KEY,
                                 args=ServerArgs(enable_dashboard=True)))

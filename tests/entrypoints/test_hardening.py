@@ -154,7 +154,21 @@ def test_lone_surrogates_400(server, path, body, param):
 
 
 # ---- overload: deadlines ---------------------------------------------------------------------
-def test_request_timeout_aborts_and_frees_blocks(hard):
+@pytest.fixture(scope="module")
+def hard_inprocess(llama_ckpt):
+    """``hard``'s settings over an engine whose core runs in this process (its executor is slowed)."""
+    from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
+
+    args = ServerArgs(trust_request_chat_template=True, chat_template_timeout=1.0, http_read_timeout=1.0,
+                      metrics_prefix="vllm")
+    live = LiveServer(build_app(make_engine(llama_ckpt, multiprocess=False), served_model_name="tiny",
+                                owns_engine=True, args=args), args=args)
+    yield live
+    live.stop()
+
+
+def test_request_timeout_aborts_and_frees_blocks(hard_inprocess):
+    hard = hard_inprocess
     wait_idle(hard.engine)
     body = {"prompt": PROMPT, "max_tokens": 240, "temperature": 0, "ignore_eos": True, "timeout": 0.05}
     hold = hard.engine.engine.core.executor.execute
@@ -185,7 +199,7 @@ def test_drain_ends_open_streams_with_an_error_event(llama_ckpt):
     from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
     from pagedllm.entrypoints.openai.serving import APIError
 
-    engine = make_engine(llama_ckpt)
+    engine = make_engine(llama_ckpt, multiprocess=False)  # its executor is slowed
     args = ServerArgs(shutdown_timeout=0.3)
     live = LiveServer(build_app(engine, served_model_name="tiny", owns_engine=True, args=args), args=args)
     hold = engine.engine.core.executor.execute

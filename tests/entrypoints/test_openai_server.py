@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import wait_idle
+from conftest import LiveServer, make_engine, wait_idle
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -275,7 +275,19 @@ def test_client_disconnect_mid_stream_aborts(server):
     assert _tokens_run(server.engine) - before < 5 + 200, "the request ran to the end instead of being aborted"
 
 
-def test_client_disconnect_non_streaming_aborts(server):
+def test_client_disconnect_non_streaming_aborts(llama_ckpt):
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    # the core in this process: its executor is slowed
+    server = LiveServer(build_app(make_engine(llama_ckpt, multiprocess=False), served_model_name="tiny",
+                                  owns_engine=True))
+    try:
+        _disconnect_non_streaming(server)
+    finally:
+        server.stop()
+
+
+def _disconnect_non_streaming(server):
     wait_idle(server.engine)
     before = _tokens_run(server.engine)
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 245, "temperature": 0, "ignore_eos": True}

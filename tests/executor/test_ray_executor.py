@@ -63,7 +63,8 @@ def test_killed_worker_fails_requests_and_the_engine_fast(ray_cluster, make_ckpt
     from pagedllm.engine.async_llm import AsyncLLM
 
     path = make_ckpt("ray_llama", "llama", heads=4, kv_heads=2)
-    engine = AsyncLLM(EngineConfig(model=path, distributed_executor_backend="ray", cpu_threads=1, **split, **KW))
+    engine = AsyncLLM(EngineConfig(model=path, distributed_executor_backend="ray", cpu_threads=1, **split, **KW),
+                      multiprocess=False)  # the test kills the executor's actors
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def run() -> BaseException:

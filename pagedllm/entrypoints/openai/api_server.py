@@ -110,9 +110,8 @@ class ServerState:
     def _load(self) -> None:
         try:
             from pagedllm.engine.async_llm import AsyncLLM
-            from pagedllm.engine.llm_engine import LLMEngine
 
-            engine = AsyncLLM(self.config, LLMEngine(self.config, skip_tokenizer_init=self.skip_tokenizer_init))
+            engine = AsyncLLM(self.config, skip_tokenizer_init=self.skip_tokenizer_init)
             try:  # --lora-modules: a bad adapter stops the start with its reason
                 lora_modules.register_lora_modules(engine, self.args.lora_modules, self.served_model_names)
             except BaseException:

@@ -101,26 +101,12 @@ def engine_snapshot(engine, recorder: Optional[DashboardRecorder]) -> dict:
     """What the page shows, from the engine's public state (see the module doc)."""
     now_wall, now = time.time(), time.monotonic()
     stats = engine.stats
-    core = engine.engine.core  # the scheduler and the KV cache manager
-    scheduler, kv = core.scheduler, core.kv_cache_manager
-    for _ in range(3):  # the engine thread may change a list while it is copied: take it again
-        try:
-            running, waiting = list(scheduler.running), list(scheduler.waiting)
-            states = kv.block_states()
-            break
-        except RuntimeError:
-            continue
-    else:
-        running, waiting, states = [], [], b""
+    snap = engine.core_snapshot()  # the scheduler's requests and the KV block map (EngineCore.snapshot)
+    running, waiting, states = snap["running"], snap["waiting"], snap["block_states"]
 
-    def describe(req) -> dict:
-        try:
-            blocks = len(kv.get_block_ids(req.request_id))
-        except KeyError:
-            blocks = 0
-        return {"id": req.request_id, "state": req.status.name.lower(), "age_s": round(now - req.arrival_time, 3),
-                "prompt_tokens": req.num_prompt_tokens, "output_tokens": req.num_output_tokens,
-                "max_tokens": req.max_tokens, "cached_tokens": max(0, req.num_cached_tokens), "blocks": blocks}
+    def describe(req: dict) -> dict:
+        arrival = req.pop("arrival_time")
+        return {**req, "age_s": round(now - arrival, 3)}
 
     queries = stats.prefix_cache_queries
     kv_map = _block_map(states)
@@ -171,7 +157,7 @@ def add_dashboard_routes(app, state) -> None:
 
     @app.get("/dashboard/api/state")
     async def dashboard_state():
-        return JSONResponse(snapshot())
+        return JSONResponse(await asyncio.to_thread(snapshot))  # a core process answers within a step
 
     @app.get("/dashboard/events")
     async def dashboard_events(interval: float = 1.0):
@@ -181,7 +167,7 @@ def add_dashboard_routes(app, state) -> None:
             while True:
                 if state.draining:
                     return
-                yield f"data: {json.dumps(snapshot())}\n\n"
+                yield f"data: {json.dumps(await asyncio.to_thread(snapshot))}\n\n"
                 await asyncio.sleep(interval)
 
         return StreamingResponse(events(), media_type="text/event-stream",

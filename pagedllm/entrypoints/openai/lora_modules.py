@@ -49,7 +49,7 @@ def register_lora_modules(engine, modules: Sequence[str], base_names: Sequence[s
     """Check and register the startup adapters (ValueError names the first bad one)."""
     if not modules:
         return
-    registry = engine.engine.lora_registry
+    registry = engine.lora_registry
     if registry is None:
         raise ValueError("--lora-modules needs --enable-lora")
     for request in parse_lora_modules(modules):

@@ -23,6 +23,8 @@ import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
 from pagedllm.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
+from pagedllm.engine.input_processor import ProcessedPrompt
+from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai import logprobs as lp_format
 from pagedllm.entrypoints.openai.beam import beam_search_params, check_best_of
 from pagedllm.entrypoints.openai import tool_calls as tc
@@ -209,19 +211,19 @@ class _Choice:
 
 
 class OpenAIServing:
-    def __init__(self, engine, served_model_names: list[str], model_path: str,
+    def __init__(self, engine: EngineClient, served_model_names: list[str], model_path: str,
                  options: Optional[ServingOptions] = None) -> None:
         self.engine = engine
         self.options = options or ServingOptions()
         self.live_streams: set[StreamSet] = set()
         self.tokenizer = engine.tokenizer
-        self.input_processor = engine.engine.input_processor
+        self.input_processor = engine.input_processor
         self.vocab_size = self.input_processor.vocab_size
         self.max_model_len = engine.max_model_len
         self.default_sampling_params: dict[str, Any] = dict(getattr(engine, "default_sampling_params", None) or {})
         self.served_model_names = list(served_model_names)
         self._accepted = set(served_model_names) | {model_path, model_path.rstrip("/").rsplit("/", 1)[-1]}
-        self.loras = getattr(getattr(engine, "engine", None), "lora_registry", None)  # LoRA adapters by name
+        self.loras = engine.lora_registry  # LoRA adapters by name (None without enable_lora)
 
     # ---- shared -----------------------------------------------------------------------------
     def lora_for(self, name: Optional[str]):
@@ -304,11 +306,11 @@ class OpenAIServing:
             return
         field = field or request_constraint(req, _bad_request)[1]
         try:
-            await asyncio.to_thread(self.engine.engine.check_structured_outputs, params)
+            await asyncio.to_thread(self.engine.check_structured_outputs, params)
         except ValueError as e:
             raise APIError(400, rename_field(str(e), field), param=field, code="invalid_value") from None
 
-    async def _process(self, prompt, param: str, req=None) -> tuple[Optional[str], list[int]]:
+    async def _process(self, prompt, param: str, req=None) -> ProcessedPrompt:
         """Validate and tokenise a prompt on a worker thread (never on the event loop); ``req``'s
         truncate_prompt_tokens keeps the prompt's last N tokens, its add_special_tokens false
         tokenises a text prompt without BOS."""
@@ -327,7 +329,7 @@ class OpenAIServing:
             prompt = {"prompt_token_ids": list(ids), "prompt": prompt}
         try:
             text, ids = await asyncio.to_thread(self.input_processor.process, prompt, truncate)
-            return (None if truncate is not None else text), ids
+            return ProcessedPrompt(None if truncate is not None else text, ids)
         except ValueError as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
             raise APIError(400, str(e), param=param, code=code) from None
@@ -406,17 +408,11 @@ class OpenAIServing:
         return await self._completion_full(req, streams, rid, model, prompts)
 
     @staticmethod
-    def _engine_prompt(req, ids: list[int], text: Optional[str] = None) -> dict[str, Any]:
-        """The engine's prompt: the token ids, the text, vLLM's cache_salt (a tenant's own prefix
-        cache: the salt keys the first block, so the hash chain differs from everyone else's)."""
-        prompt: dict[str, Any] = {"prompt_token_ids": ids}
-        if text is not None:
-            prompt["prompt"] = text
-        if req.cache_salt is not None:
-            prompt["cache_salt"] = req.cache_salt
-        if req.priority:
-            prompt["priority"] = req.priority
-        return prompt
+    def _engine_prompt(req, ids: list[int], text: Optional[str] = None) -> ProcessedPrompt:
+        """The engine's prompt (validated by _process: not checked again): the token ids, the text,
+        vLLM's cache_salt (a tenant's own prefix cache: the salt keys the first block, so the hash
+        chain differs from everyone else's), the request's priority."""
+        return ProcessedPrompt(text, ids, req.cache_salt, req.priority or 0)
 
     def _echo_logprobs(self, out: RequestOutput, n: Optional[int]):
         if n is None:
@@ -593,7 +589,8 @@ class OpenAIServing:
         plan). /v1/chat/completions and /v1/responses both start their generations here."""
         model = self.check_model(req.model)
         plan = tc.plan_tools(req, self.options.enable_auto_tool_choice, self.options.tool_call_parser, _bad_request)
-        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages", req))[1]
+        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages",
+                                   req)).token_ids
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self._check_prompt_logprobs(req)

@@ -1,0 +1,89 @@
+"""Where an engine step's time goes: schedule, execute (prepare inputs + forward + sample), update,
+and the front end's output processing, per step (the same StepTiming the server exports as
+``engine_step_phase_seconds``), over the fixed-seed random workload; and the run's throughput.
+
+With ``--engine-core-process`` the core runs in its own process (the server's arrangement): the
+front end's output processing then overlaps the core's next step instead of adding to it.
+``--sim-device D``: the simulated device (executor/simulated.py, the real model on its thread)
+with at least D seconds a step.
+
+    python benchmarks/step_phases.py --model llama-tiny --num-requests 64
+    python benchmarks/step_phases.py --model llama-tiny --num-requests 64 --engine-core-process
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ensure_model, print_table, random_workload, write_json  # noqa: E402
+
+PHASES = ("schedule", "execute", "update", "output", "total")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-tiny")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine-core-process", action="store_true")
+    ap.add_argument("--sim-device", type=float, default=None, help="seconds a step at least on a simulated device")
+    ap.add_argument("--out", default="benchmarks/results/step_phases.json")
+    args = ap.parse_args()
+
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    factory = None
+    if args.sim_device is not None:
+        from pagedllm.executor.simulated import SimulatedDevice
+
+        factory = SimulatedDevice(args.sim_device, real=True)
+    config = EngineConfig(model=ensure_model(args.model), dtype=args.dtype, kv_cache_memory=4 << 30,
+                          generation_config="vllm")
+    engine = LLMEngine(config, skip_tokenizer_init=True, multiprocess=args.engine_core_process,
+                       executor_factory=factory)
+    work = random_workload(args.num_requests, args.seed)
+    samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    t0 = time.perf_counter()
+    for ids, olen in work:
+        engine.add_request(None, {"prompt_token_ids": ids},
+                           SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True))
+    generated = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                generated += sum(len(c.token_ids) for c in out.outputs)
+        timing = engine.last_core_outputs.timing
+        if timing is not None:
+            for p in ("schedule", "execute", "update", "total"):
+                samples[p].append(getattr(timing, p))
+            samples["output"].append(engine.last_output_seconds)
+    wall = time.perf_counter() - t0
+    engine.shutdown()
+
+    def ms(xs, q):
+        if not xs:
+            return ""
+        xs = sorted(xs)
+        return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 3)
+
+    rows = [{"phase": p, "mean_ms": round(1000 * statistics.fmean(samples[p]), 3) if samples[p] else "",
+             "p50_ms": ms(samples[p], 0.5), "p99_ms": ms(samples[p], 0.99)} for p in PHASES]
+    print(f"{args.model} {args.dtype}, {args.num_requests} requests, core "
+          f"{'in its own process' if args.engine_core_process else 'in-process'}"
+          f"{f', simulated device {args.sim_device * 1000:g} ms' if args.sim_device is not None else ''}: "
+          f"{len(samples['total'])} steps, {generated} tokens in {wall:.2f} s = {generated / wall:,.1f} tok/s")
+    print_table(rows, ["phase", "mean_ms", "p50_ms", "p99_ms"])
+    write_json(args.out, {"args": vars(args), "steps": len(samples["total"]), "generated": generated,
+                          "wall_s": wall, "tok_per_s": generated / wall, "phases": rows,
+                          "loadavg": open("/proc/loadavg").read().split()[:3]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The engine-core process: an EngineCore and its busy loop (started by core_client.MultiprocClient).
+
+Each turn it takes every message waiting on its input pipe (requests, aborts, calls, shutdown),
+then runs one step if anything is unfinished and sends the step's EngineCoreOutputs (with the
+scheduler's statistics and the step's phase timings) up the output pipe. Idle, it blocks on the
+pipe. It exits when told to, when its input pipe closes (the front end died), or on SIGTERM
+(default action); SIGINT is ignored so a terminal's Ctrl-C reaches only the server, which then
+shuts the core down in order. A step that raises past the core's own failure isolation (e.g. a
+tensor-parallel rank died) is reported as ("dead", reason) before the process exits 1.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+
+logger = logging.getLogger(__name__)
+
+
+def _load(config, skip_tokenizer_init: bool, executor_factory):
+    from pagedllm.engine.core import EngineCore
+    from pagedllm.engine.input_processor import eos_token_ids
+    from pagedllm.models.config_json import load_hf_config
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    hf_config = load_hf_config(config.model)
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+    return EngineCore(config, hf_config, tokenizer, eos_token_ids(config.model, hf_config, tokenizer), executor_factory)
+
+
+class _CoreLoop:
+    def __init__(self, core, conn_in, conn_out) -> None:
+        self.core, self.conn_in, self.conn_out = core, conn_in, conn_out
+        self.running = True
+        self.num_unfinished = 0
+
+    def send(self, msg) -> None:
+        self.conn_out.send_bytes(pickle.dumps(msg, protocol=5))
+
+    def handle(self, msg) -> list:
+        """Apply one message; the outputs it produced at once (aborted beam groups, refusals)."""
+        from pagedllm.core.contracts import EngineCoreOutput
+
+        kind = msg[0]
+        if kind == "add":
+            req = msg[1]
+            try:
+                self.core.add_request(req)
+            except Exception as e:  # validated by the front end: this is a bug, fail only this request
+                logger.exception("engine core: request %s could not be added: %s", req.request_id, e)
+                return [EngineCoreOutput(cid, [], finish_reason="error") for cid in req.child_ids]
+            return []
+        if kind == "abort":
+            from pagedllm.engine.core import finish_status
+
+            _, ids, reason = msg
+            return self.core.abort_requests(ids, finish_status(reason))
+        if kind == "call":
+            _, call_id, method, args = msg
+            try:
+                value = (True, getattr(self, "_call_" + method)(*args))
+            except Exception as e:
+                value = (False, e)
+            self.send(("reply", call_id, value))
+            return []
+        self.running = False  # "shutdown"
+        return []
+
+    def _call_reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
+    def _call_num_forward_tokens(self) -> int:
+        return self.core.executor.num_forward_tokens
+
+    def _call_snapshot(self) -> dict:
+        return self.core.snapshot()
+
+    def run(self) -> None:
+        from pagedllm.core.engine_request import EngineCoreOutputs
+
+        core = self.core
+        while self.running:
+            busy = core.has_unfinished_requests()
+            immediate: list = []
+            handled = False
+            # Block while idle; while busy only take what is already there.
+            if self.conn_in.poll(0 if busy else 1.0):
+                while self.running and self.conn_in.poll(0):
+                    immediate.extend(self.handle(pickle.loads(self.conn_in.recv_bytes())))  # EOFError: the front end is gone
+                    handled = True
+            if not self.running:
+                break
+            if core.has_unfinished_requests():
+                outputs = immediate + core.step()
+                self.send(("outputs", EngineCoreOutputs(outputs, core.get_stats(), core.last_timing),
+                           self._unfinished()))
+            elif handled:  # statistics after aborts, or refused requests' errors
+                self.send(("outputs", EngineCoreOutputs(immediate, core.get_stats()), self._unfinished()))
+
+    def _unfinished(self) -> int:
+        stats = self.core.get_stats()
+        return stats.num_running + stats.num_waiting + int(self.core.has_unfinished_requests())
+
+
+def run_engine_core(config, skip_tokenizer_init: bool, executor_factory, conn_in, conn_out,
+                    log_level: int = logging.WARNING) -> None:
+    """The process's entry point (``log_level``: the front end's)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    try:
+        core = _load(config, skip_tokenizer_init, executor_factory)
+    except BaseException as e:  # a start-up error: the front end raises it
+        try:
+            conn_out.send_bytes(pickle.dumps(("failed", e), protocol=5))
+        except Exception:  # an exception that does not pickle
+            conn_out.send_bytes(pickle.dumps(("failed", RuntimeError(f"{type(e).__name__}: {e}")), protocol=5))
+        return
+    conn_out.send_bytes(pickle.dumps(("ready", {"limits": core.limits(), "stats": core.get_stats()}), protocol=5))
+    loop = _CoreLoop(core, conn_in, conn_out)
+    code = 0
+    try:
+        loop.run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.info("engine core: the front end is gone; exiting")
+    except BaseException as e:
+        logger.exception("engine core: step failed; the core stops")
+        try:
+            loop.send(("dead", f"engine core failed: {e!r}"))
+        except Exception:
+            pass
+        code = 1
+    try:
+        core.shutdown()
+    except Exception:
+        logger.exception("engine core: shutdown failed")
+    logging.shutdown()
+    os._exit(code)
