@@ -4,8 +4,9 @@ and the front end's output processing, per step (the same StepTiming the server 
 
 With ``--engine-core-process`` the core runs in its own process (the server's arrangement): the
 front end's output processing then overlaps the core's next step instead of adding to it.
-``--sim-device D``: the simulated device (executor/simulated.py, the real model on its thread)
-with at least D seconds a step.
+``--sim-device D``: the simulated device (executor/simulated.py) with at least D seconds a step,
+running the fake token model (``--sim-model fake``: the step is then D plus the host's own
+cost) or the real model on its thread.
 
     python benchmarks/step_phases.py --model llama-tiny --num-requests 64
     python benchmarks/step_phases.py --model llama-tiny --num-requests 64 --engine-core-process
@@ -30,8 +31,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt-len", type=int, default=0, help="fixed prompt length (0: the random workload's)")
+    ap.add_argument("--output-len", type=int, default=128, help="tokens per request with --prompt-len")
     ap.add_argument("--engine-core-process", action="store_true")
     ap.add_argument("--sim-device", type=float, default=None, help="seconds a step at least on a simulated device")
+    ap.add_argument("--sim-model", default="fake", choices=["fake", "real"],
+                    help="on the simulated device: the fake token model (host cost only) or the real model")
     ap.add_argument("--out", default="benchmarks/results/step_phases.json")
     args = ap.parse_args()
 
@@ -43,12 +48,16 @@ def main() -> None:
     if args.sim_device is not None:
         from pagedllm.executor.simulated import SimulatedDevice
 
-        factory = SimulatedDevice(args.sim_device, real=True)
+        factory = SimulatedDevice(args.sim_device, num_blocks=1 << 15, real=args.sim_model == "real")
     config = EngineConfig(model=ensure_model(args.model), dtype=args.dtype, kv_cache_memory=4 << 30,
                           generation_config="vllm")
     engine = LLMEngine(config, skip_tokenizer_init=True, multiprocess=args.engine_core_process,
                        executor_factory=factory)
-    work = random_workload(args.num_requests, args.seed)
+    if args.prompt_len:
+        work = [([3 + (7 * i + j) % 1000 for j in range(args.prompt_len)], args.output_len)
+                for i in range(args.num_requests)]
+    else:
+        work = random_workload(args.num_requests, args.seed)
     samples: dict[str, list[float]] = {p: [] for p in PHASES}
     t0 = time.perf_counter()
     for ids, olen in work:
@@ -77,7 +86,7 @@ def main() -> None:
              "p50_ms": ms(samples[p], 0.5), "p99_ms": ms(samples[p], 0.99)} for p in PHASES]
     print(f"{args.model} {args.dtype}, {args.num_requests} requests, core "
           f"{'in its own process' if args.engine_core_process else 'in-process'}"
-          f"{f', simulated device {args.sim_device * 1000:g} ms' if args.sim_device is not None else ''}: "
+          f"{f', simulated device {args.sim_device * 1000:g} ms ({args.sim_model})' if args.sim_device is not None else ''}: "
           f"{len(samples['total'])} steps, {generated} tokens in {wall:.2f} s = {generated / wall:,.1f} tok/s")
     print_table(rows, ["phase", "mean_ms", "p50_ms", "p99_ms"])
     write_json(args.out, {"args": vars(args), "steps": len(samples["total"]), "generated": generated,
