@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import json
 import re
 import sys
 from typing import Optional, Sequence
@@ -120,6 +121,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     kwargs = {}
     for f in dataclasses.fields(EngineConfig):
         value = getattr(args, f.name, None)
+        if f.name == "served_model_name" and isinstance(value, list):  # serve takes several: the first is reported
+            value = value[0] if value else None
         if value is not None:
             kwargs[f.name] = value
     if not kwargs.get("model"):
@@ -191,18 +194,78 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-dashboard", action="store_true",
                      help="serve GET /dashboard: a live page of the running/waiting requests, the KV cache's block "
                           "map and the step times (behind --api-key: a browser gives the key as the password)")
+    _add_vllm_serve_flags(srv)
     srv.add_argument("--data-parallel-size", type=int, default=1,
                      help="engine replicas behind this server: N child servers on internal ports, each pinned to "
                           "its share of the CPUs (or its own GPUs), and a prefix-aware router on --port")
     from pagedllm.entrypoints.router.server import add_router_args, add_router_parser
 
     add_router_args(srv)
-    add_engine_args(srv)
+    add_engine_args(srv, exclude=("served_model_name",))  # several names: _add_vllm_serve_flags
     add_router_parser(sub)
     from pagedllm.bench.cli import add_bench_parser
 
     add_bench_parser(sub, add_engine_args)
     return parser
+
+
+def _json_list(text: str) -> list[str]:
+    """vLLM's list flags take JSON (``'["*"]'``); a plain word is a one-item list."""
+    if text.strip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+        return value
+    return [text]
+
+
+def _structured_outputs_config(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict) or value.get("backend", "auto") not in ("auto", "xgrammar") or set(value) - {"backend"}:
+        raise argparse.ArgumentTypeError('only {"backend": "auto"} or {"backend": "xgrammar"} (the one backend here)')
+    return value
+
+
+def _add_vllm_serve_flags(srv: argparse.ArgumentParser) -> None:
+    """vLLM's serve flags (docs/usage.md, *vLLM's serve flags*)."""
+    g = srv.add_argument_group("vLLM-compatible")
+    g.add_argument("--served-model-name", dest="served_model_name", nargs="+", default=None, metavar="NAME",
+                   help="the model names requests may use (all routable; the first is the one reported)")
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
+    g.add_argument("--enable-log-requests", action="store_true", help="log one line per request (id, prompt "
+                   "length, sampling parameters)")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/queue log line")
+    g.add_argument("--max-logprobs", type=int, default=20, help="most logprobs/top_logprobs/prompt_logprobs a request "
+                   "may ask for (0..20; default 20)")
+    g.add_argument("--allowed-origins", type=_json_list, default=None,
+                   help="CORS: origins browsers may call from, a JSON list ('[\"*\"]') or one origin; default: no "
+                        "CORS headers")
+    g.add_argument("--allowed-methods", type=_json_list, default=None, help='CORS methods (default ["*"])')
+    g.add_argument("--allowed-headers", type=_json_list, default=None, help='CORS headers (default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    g.add_argument("--root-path", default=None, help="the path prefix a proxy serves this app under")
+    g.add_argument("--ssl-keyfile", default=None, help="TLS private key (with --ssl-certfile): serve HTTPS")
+    g.add_argument("--ssl-certfile", default=None, help="TLS certificate chain")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify client certificates with")
+    g.add_argument("--ssl-cert-reqs", type=int, default=0, help="client certificates: 0 none, 1 optional, 2 required")
+    g.add_argument("--response-role", default="assistant", help="the role of chat replies (default assistant)")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /openapi.json either (the /docs pages are never served)")
+    g.add_argument("--override-generation-config", default=None,
+                   help='JSON over the model\'s generation_config.json defaults, e.g. \'{"temperature": 0.5}\'')
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted: no checkpoint code is ever run here (only the built-in architectures load)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors"],
+                   help="weights format: safetensors (the only one; auto means it)")
+    g.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
+                   help='{"backend": "xgrammar"} (or "auto"): the one structured-outputs backend here')
 
 
 def sub_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
@@ -313,6 +376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return run_router_command(args, _catch_stop_signals())
         args.stop_requested = _catch_stop_signals()
         args.model = args.model or args.model_pos
+        served_names = list(args.served_model_name or ())  # --served-model-name a b: all routable
         if not args.model and not args.served_model_name:  # the embedded default model
             args.served_model_name = os.path.basename(default_model_path())
         if args.max_num_seqs is None:  # on CPU a smaller running batch (config.CPU_SERVE_MAX_NUM_SEQS)
@@ -344,7 +408,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                                  enable_auto_tool_choice=args.enable_auto_tool_choice,
                                  tool_call_parser=args.tool_call_parser,
-                                 enable_dashboard=args.enable_dashboard)
+                                 enable_dashboard=args.enable_dashboard,
+                                 served_model_names=tuple(served_names),
+                                 uvicorn_log_level=args.uvicorn_log_level, enable_log_requests=args.enable_log_requests,
+                                 disable_log_stats=args.disable_log_stats, max_logprobs=args.max_logprobs,
+                                 allowed_origins=tuple(args.allowed_origins or ()),
+                                 allowed_methods=tuple(args.allowed_methods or ("*",)),
+                                 allowed_headers=tuple(args.allowed_headers or ("*",)),
+                                 allow_credentials=args.allow_credentials, root_path=args.root_path,
+                                 ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                 ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                                 response_role=args.response_role, disable_fastapi_docs=args.disable_fastapi_docs,
+                                 override_generation_config=args.override_generation_config)
         return run_server(config, server_args, args.stop_requested)
     except ValueError as e:  # bad configuration: one clear line, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)

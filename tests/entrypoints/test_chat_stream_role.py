@@ -5,7 +5,7 @@ import asyncio
 import json
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.serving import OpenAIServing
+from pagedllm.entrypoints.openai.serving import OpenAIServing, ServingOptions
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -28,6 +28,7 @@ class GatedStreams:
 def test_role_chunk_waits_for_the_first_output():
     async def run():
         serving = OpenAIServing.__new__(OpenAIServing)  # _chat_stream needs none of the engine's state
+        serving.options = ServingOptions()
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
         streams = GatedStreams()
         gen = serving._chat_stream(req, streams, "chatcmpl-1", "tiny", 2).__aiter__()

@@ -20,7 +20,10 @@ event and ``[DONE]`` for streams), and the lifespan shutdown stops the engine; t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
+import os
 import re
 import threading
 import time
@@ -78,6 +81,9 @@ class ServerState:
         self.model_path = self.config.model
         name = served_model_name or self.config.served_model_name or self.config.model
         self.served_model_names = [name]
+        for extra in self.args.served_model_names:  # --served-model-name a b: every name routable
+            if extra not in self.served_model_names:
+                self.served_model_names.append(extra)
         self.api_key = api_key or None
         self.skip_tokenizer_init = skip_tokenizer_init
         self.metrics = PrometheusMetrics(name, prefix=self.args.metrics_prefix)
@@ -145,7 +151,10 @@ class ServerState:
         options = ServingOptions(self.args.trust_request_chat_template, self.template_sandbox,
                                  self.args.request_timeout, self.chat_template, self.args.enable_auto_tool_choice,
                                  self.args.tool_call_parser)
+        options = dataclasses.replace(options, log_requests=self.args.enable_log_requests,
+                                      max_logprobs=self.args.max_logprobs, response_role=self.args.response_role)
         serving = OpenAIServing(engine, self.served_model_names, self.model_path, options)
+        serving.default_sampling_params.update(generation_overrides(self.args.override_generation_config))
         self.responses = ServingResponses(serving)  # before serving: a request that finds serving finds this
         self.serving = serving
         self.max_body_size = self.args.max_request_body_size or default_max_body_size(
@@ -254,7 +263,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
         state.start_loading()
-        log_task = asyncio.create_task(state.log_loop())
+        log_task = asyncio.create_task(state.log_loop() if not state.args.disable_log_stats else asyncio.sleep(0))
         try:
             yield
         finally:
@@ -262,10 +271,16 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
             await asyncio.to_thread(state.shutdown)
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, **({"openapi_url": None} if state.args.disable_fastapi_docs else {}))
     app.state.server = state
     app.add_middleware(InternalErrors)  # innermost: a 500 that keeps the connection
     app.add_middleware(RequestGuard, state=state)  # outermost: the API key, then the bounded body
+    if state.args.allowed_origins:  # CORS outside even that: a browser's preflight needs no API key
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.args.allowed_origins),
+                           allow_methods=list(state.args.allowed_methods), allow_headers=list(state.args.allowed_headers),
+                           allow_credentials=state.args.allow_credentials)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -455,6 +470,24 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
     tool_call_parser: Optional[str] = None  # hermes | llama3_json: how "auto" reads the model's tool calls
     enable_dashboard: bool = False  # GET /dashboard: the live engine page (dashboard.py)
+    # vLLM's serve flags (docs/usage.md, *vLLM's serve flags*)
+    served_model_names: tuple[str, ...] = ()  # every name a request's model may use (the first is reported)
+    uvicorn_log_level: Optional[str] = None  # uvicorn's own log level (default: log_level)
+    enable_log_requests: bool = False  # one log line per request (id, prompt length, sampling params)
+    disable_log_stats: bool = False  # no periodic stats line
+    max_logprobs: int = 20  # the most logprobs / top_logprobs / prompt_logprobs a request may ask for
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins a browser may call from (none: no CORS headers)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+    root_path: Optional[str] = None  # the path prefix a proxy serves this app under
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_ca_certs: Optional[str] = None
+    ssl_cert_reqs: int = 0  # ssl.CERT_NONE; 2 = CERT_REQUIRED (client certificates)
+    response_role: str = "assistant"  # the role of chat replies
+    disable_fastapi_docs: bool = False  # also no /openapi.json (the /docs pages are never served)
+    override_generation_config: Optional[str] = None  # JSON over the model's generation_config.json defaults
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -472,19 +505,57 @@ class ServerArgs:
             get_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in 0..20 (20 is the most this server computes), "
+                             f"got {self.max_logprobs}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together (TLS needs both)")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file: {path}")
+        if self.root_path is not None and self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"root_path must start with '/', got {self.root_path!r}")
+        if not self.response_role:
+            raise ValueError("response_role must not be empty")
+        generation_overrides(self.override_generation_config)  # malformed JSON fails at start-up
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(f"metrics_prefix must be a metric name prefix such as pagedllm or vllm, "
                              f"got {self.metrics_prefix!r}")
+
+
+_GENERATION_KEYS = {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens", "max_tokens"}
+
+
+def generation_overrides(text: Optional[str]) -> dict[str, Any]:
+    """--override-generation-config: a JSON object over the model's generation defaults (vLLM's
+    flag; ``max_new_tokens`` is max_tokens); ValueError naming the flag."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"override_generation_config is not valid JSON: {e}") from None
+    if not isinstance(value, dict) or set(value) - _GENERATION_KEYS:
+        raise ValueError(f"override_generation_config must be a JSON object of {', '.join(sorted(_GENERATION_KEYS))}, "
+                         f"got {text!r}")
+    if "max_new_tokens" in value:
+        value["max_tokens"] = value.pop("max_new_tokens")
+    return value
 
 
 def uvicorn_config(app, args: ServerArgs, **kw):
     """The uvicorn settings of ``pagedllm serve`` (tests use them too)."""
     import uvicorn
 
+    tls = {}
+    if args.ssl_certfile is not None:
+        tls = dict(ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                   ssl_cert_reqs=args.ssl_cert_reqs)
     return uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level.lower(), access_log=args.access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=5,
-        http=h11_protocol(args.http_read_timeout), **kw,
+        app, host=args.host, port=args.port, log_level=(args.uvicorn_log_level or args.log_level).lower(),
+        access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=5,
+        http=h11_protocol(args.http_read_timeout), root_path=args.root_path or "", **tls, **kw,
     )
 
 

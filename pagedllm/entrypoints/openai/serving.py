@@ -117,6 +117,9 @@ class ServingOptions:
     chat_template: Optional[str] = None  # the server's --chat-template (replaces the model's)
     enable_auto_tool_choice: bool = False  # tool_choice "auto" allowed (with tool_call_parser)
     tool_call_parser: Optional[str] = None  # hermes | llama3_json
+    log_requests: bool = False  # --enable-log-requests: one line per engine request
+    max_logprobs: int = 20  # --max-logprobs
+    response_role: str = "assistant"  # --response-role
 
 
 def sse(model) -> str:
@@ -252,6 +255,11 @@ class OpenAIServing:
             if any(not 0 <= k < self.vocab_size for k in bias):
                 raise APIError(400, f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias",
                                code="invalid_value")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and value > self.options.max_logprobs:
+                field = (aliases or {}).get(name, name)
+                raise APIError(400, f"{field} must be at most {self.options.max_logprobs} (the server's "
+                                    f"--max-logprobs), got {value}", param=field, code="invalid_value")
         if req.seed is not None and not -(2**63) <= req.seed < 2**63:
             raise APIError(400, "seed must be a 64-bit signed integer", param="seed", code="invalid_value")
         # A field the request leaves unset takes the model's generation_config.json default, if any.
@@ -340,6 +348,10 @@ class OpenAIServing:
         return req.timeout or timeout or self.options.request_timeout
 
     async def _start(self, items, timeout: Optional[float] = None, model: Optional[str] = None) -> StreamSet:
+        if self.options.log_requests:
+            for prompt, params, rid in items:
+                logger.info("request %s: model %s, %d prompt tokens, %s", rid, model,
+                            len(prompt.get("prompt_token_ids") or ()), params)
         try:
             return await StreamSet(self.engine, items, timeout, self.live_streams, self.lora_for(model)).start()
         except Exception as e:
@@ -631,7 +643,8 @@ class OpenAIServing:
             content, calls = tc.parse_output(plan or tc.ToolPlan(), "".join(c.text))
             if echo and (content is not None or not calls):
                 content = echo + (content or "")
-            result.append(ChatChoice(index=k, message=ChatMessage(content=content, tool_calls=tc.tool_calls(calls)),
+            result.append(ChatChoice(index=k, message=ChatMessage(role=self.options.response_role, content=content,
+                                                                  tool_calls=tc.tool_calls(calls)),
                                      logprobs=self._chat_lps(req, c.token_ids, c.logprobs),
                                      finish_reason=tc.finish_reason(plan or tc.ToolPlan(), calls, c.finish_reason),
                                      stop_reason=c.stop_reason, token_ids=c.token_ids if req.return_token_ids else None))
@@ -660,7 +673,8 @@ class OpenAIServing:
                 if not role_sent:  # with the first output (after prefill, as vLLM): TTFT is measured right
                     role_sent = True
                     for k in range(req.n):
-                        choice = ChatStreamChoice(index=k, delta=DeltaMessage(role="assistant", content=""))
+                        choice = ChatStreamChoice(index=k, delta=DeltaMessage(role=self.options.response_role,
+                                                                              content=""))
                         yield sse(ChatCompletionStreamResponse(
                             id=rid, model=model, choices=[choice],
                             prompt_token_ids=out.prompt_token_ids if req.return_token_ids and k == 0 else None))

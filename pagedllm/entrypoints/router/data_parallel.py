@@ -155,7 +155,8 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     base = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", config.model,
             *child_flags(serve_parser, args)]
     commands = [base + ["--host", "127.0.0.1", "--port", str(p), *cpu_flags[i]] for i, p in enumerate(ports)]
-    names = [config.served_model_name] if config.served_model_name else []
+    given = getattr(args, "served_model_name", None)
+    names = list(given) if isinstance(given, list) else [config.served_model_name] if config.served_model_name else []
     rargs = router_args_from(args, [f"http://127.0.0.1:{p}" for p in ports], config.model, config.tokenizer, names,
                              config.block_size, args.chat_template)
     if not config.enable_prefix_caching and rargs.policy == "prefix":  # no cache to route to
