@@ -189,7 +189,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help='allow tool_choice "auto" (the default when a request has tools); needs --tool-call-parser')
-    srv.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    srv.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                      help="how tool_choice \"auto\" reads tool calls out of the model's output")
     srv.add_argument("--enable-dashboard", action="store_true",
                      help="serve GET /dashboard: a live page of the running/waiting requests, the KV cache's block "

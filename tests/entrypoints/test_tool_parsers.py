@@ -78,4 +78,67 @@ def test_llama3_json():
 
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="tool_call_parser"):
-        get_tool_parser("mistral")
+        get_tool_parser("no_such_parser")
+
+
+WEATHER_ADD = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"}}}}},
+    {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+EXPECTED = [("get_weather", {"city": "Verona", "days": 2}), ("add", {"a": 1, "b": 2.5})]
+
+# Each family's own format, as its chat template / docs write a call (two calls, text before them
+# where the format allows it).
+FORMATS = {
+    "mistral": ('Let me check. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]', "Let me check."),
+    "mistral_v11": ('[TOOL_CALLS]get_weather[ARGS]{"city": "Verona", "days": 2}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2.5}',
+                    None),
+    "pythonic": ('[get_weather(city="Verona", days=2), add(a=1, b=2.5)]', None),
+    "llama4_pythonic": ('<|python_start|>[get_weather(city="Verona", days=2), add(a=1, b=2.5)]<|python_end|>', None),
+    "qwen3_coder": ("I will call the tools.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nVerona\n</parameter>\n"
+                    "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n"
+                    "<parameter=a>\n1\n</parameter>\n<parameter=b>\n2.5\n</parameter>\n</function>\n</tool_call>",
+                    "I will call the tools."),
+    "deepseek_v3": ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Verona", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n'
+                    '```json\n{"a": 1, "b": 2.5}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Checking."),
+    "granite": ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
+                '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]', None),
+    "granite_31": ('<tool_call>[{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
+                   '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]', None),
+    "xlam": ('[{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
+             '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]', None),
+    "xlam_fenced": ('Sure.\n```json\n[{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
+                    '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]\n```', "Sure."),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FORMATS))
+def test_family_formats_whole_and_streamed(case):
+    name = case.split("_v11")[0].replace("_31", "").replace("_fenced", "")
+    text, content = FORMATS[case]
+    plan = tc.ToolPlan("auto", WEATHER_ADD, None, get_tool_parser(name, WEATHER_ADD))
+    whole, calls = tc.parse_output(plan, text)
+    assert whole == content
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == EXPECTED
+    for size in (1, 4, len(text)):
+        streamed, scalls = _stream(plan, [text[i:i + size] for i in range(0, len(text), size)])
+        assert streamed == (content or "") and scalls == calls
+    plain = "The weather in Verona is fine."  # no call: all content, streamed as it comes
+    assert tc.parse_output(plan, plain) == (plain, [])
+    assert _stream(plan, [plain[:9], plain[9:]]) == (plain, [])
+
+
+def test_qwen3_coder_types_arguments_by_schema():
+    p = get_tool_parser("qwen3_coder", WEATHER_ADD)
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n</parameter>\n<parameter=metric>\ntrue\n"
+            "</parameter>\n</function>\n</tool_call>")
+    assert json.loads(p.extract(text)[1][0].arguments) == {"city": "123", "metric": True}  # "string" stays text
+
+
+def test_pythonic_never_runs_code():
+    p = get_tool_parser("pythonic")
+    text = '[get_weather(city=__import__("os").getcwd())]'
+    assert p.extract(text) == (text, [])  # not a literal: plain content
+    assert p.extract("[1, 2]") == ("[1, 2]", [])

@@ -468,7 +468,7 @@ class ServerArgs:
     lora_modules: tuple[str, ...] = ()  # LoRA adapters served from the start: name=path or JSON objects
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
-    tool_call_parser: Optional[str] = None  # hermes | llama3_json: how "auto" reads the model's tool calls
+    tool_call_parser: Optional[str] = None  # tool_parsers.TOOL_PARSERS: how "auto" reads the model's tool calls
     enable_dashboard: bool = False  # GET /dashboard: the live engine page (dashboard.py)
     # vLLM's serve flags (docs/usage.md, *vLLM's serve flags*)
     served_model_names: tuple[str, ...] = ()  # every name a request's model may use (the first is reported)
@@ -504,7 +504,7 @@ class ServerArgs:
 
             get_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser")
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in 0..20 (20 is the most this server computes), "
                              f"got {self.max_logprobs}")

@@ -65,9 +65,9 @@ def plan_tools(req, enable_auto_tool_choice: bool, tool_call_parser: Optional[st
     if choice == "auto":
         if not enable_auto_tool_choice or not tool_call_parser:
             raise error('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
-                        "--tool-call-parser (hermes or llama3_json); use \"required\", a named function or \"none\"",
+                        "--tool-call-parser; use \"required\", a named function or \"none\"",
                         "tool_choice")
-        return ToolPlan("auto", rendered, None, get_tool_parser(tool_call_parser))
+        return ToolPlan("auto", rendered, None, get_tool_parser(tool_call_parser, rendered))
     if choice == "required":
         calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"enum": [n]}, "parameters": params[n]},
