@@ -175,18 +175,67 @@ def set_pp_group(group: PPGroup) -> None:
     _pp = group
 
 
+JOINED_KEY = "pagedllm/joined"  # ranks > 0 add 1 to it in the rendezvous store once connected
+
+
+def join_store(port: int, world_size: int, timeout_s: float = 120.0, host: str = "127.0.0.1"):
+    """A rank > 0's client of the rendezvous store rank 0 serves (``serve_store``), counted in
+    as joined."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore(host, port, world_size, False, timeout=datetime.timedelta(seconds=timeout_s))
+    store.add(JOINED_KEY, 1)
+    return store
+
+
+def serve_store(world_size: int, timeout_s: float = 120.0, host: str = "127.0.0.1"):
+    """Rank 0's rendezvous store on a port of its own (``store.port``): a fresh one per engine,
+    gone with it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, 0, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
+
+
+def wait_for_ranks(store, procs: Sequence, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Until every rank process in ``procs`` (ranks 1..) has joined ``store``; a rank that exits
+    first, or a ``timeout_s`` that passes, fails with a RuntimeError naming the ranks."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while store.add(JOINED_KEY, 0) < len(procs):
+        dead = [(r, p.exitcode) for r, p in enumerate(procs, start=1) if not p.is_alive()]
+        if dead:
+            raise RuntimeError("the engine's worker processes did not start: " + ", ".join(
+                f"rank {r} exited (code {c}) before joining the process group" for r, c in dead))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(procs) - store.add(JOINED_KEY, 0)} of the engine's {len(procs)} worker ranks "
+                               f"did not join the process group within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
 def init_distributed(rank: int, world_size: int, device: torch.device, timeout_s: float = 120.0,
-                     pp_size: int = 1, pp_partition: Optional[Sequence[int]] = None) -> TPGroup:
-    """torch.distributed through the env:// rendezvous (MASTER_ADDR/MASTER_PORT set by the
-    launcher: our executor, or torchrun across nodes). gloo on CPU, NCCL on GPU. With
-    ``pp_size`` > 1 the world splits into pp_size stages of world_size / pp_size TP ranks.
-    Returns this rank's TP group; its ``world_cpu_group`` spans every rank (control messages)."""
+                     pp_size: int = 1, pp_partition: Optional[Sequence[int]] = None, store=None) -> TPGroup:
+    """torch.distributed over ``store`` (the rendezvous store of one engine: ``serve_store`` /
+    ``join_store``) or, without one, the env:// rendezvous (MASTER_ADDR/MASTER_PORT set by
+    torchrun across nodes). gloo on CPU, NCCL on GPU. With ``pp_size`` > 1 the world splits into
+    pp_size stages of world_size / pp_size TP ranks. Returns this rank's TP group; its
+    ``world_cpu_group`` spans every rank (control messages)."""
     import datetime
 
     import torch.distributed as dist
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+    if store is not None:
+        if dist.is_initialized():
+            raise RuntimeError("a process group from an earlier engine is still up in this process")
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    elif not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     # Control messages (pickled SchedulerOutputs, sampled ids) always travel over gloo on the CPU.

@@ -182,3 +182,8 @@ class LLM:
 
     def get_stats(self):
         return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        """Stop the engine now: its worker processes and process group (tensor/pipeline
+        parallel) go; dropping the LLM (``del llm``) does the same when it is collected."""
+        self.engine.shutdown()

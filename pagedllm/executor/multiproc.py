@@ -15,14 +15,21 @@ and sends the ModelRunnerOutput to rank 0. ``submit`` returns once stage 0 has s
 (engine/core.py). ``execute`` is one of each.
 
 ``MultiprocExecutor`` is an ``executor.base.Executor``; ranks > 0 have no executor, only a
-worker. Ranks 1..N-1 are spawned here for a single machine. Under ``torchrun`` (multi-node) the launcher
+worker. Ranks 1..N-1 are spawned here for a single machine, each engine with a rendezvous
+store of its own on a fresh port (rank 0 serves it; a rank that exits before joining, or that
+has not joined within the rendezvous timeout, fails the constructor with a RuntimeError naming
+it). The workers, the store and the process group go with the engine: on ``shutdown()``, or when
+the executor is garbage-collected (``del llm``), or at interpreter exit (weakref.finalize). A
+later engine in the same process collects a dropped one first, and refuses to start while an
+earlier multi-process engine is still running (one process group per process). Under ``torchrun`` (multi-node) the launcher
 starts them instead: they call ``run_worker_rank`` (``pagedllm serve`` does this for RANK > 0).
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
-import socket
+import weakref
 from typing import Optional
 
 import torch
@@ -34,12 +41,6 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN = "__shutdown__"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def stage_partition(config, hf_config) -> list[int]:
     """Decoder layers per pipeline stage (validated against the model): a clear error up front."""
     from pagedllm.distributed.parallel_state import layer_partition
@@ -47,7 +48,7 @@ def stage_partition(config, hf_config) -> list[int]:
     return layer_partition(hf_config.num_hidden_layers, config.pipeline_parallel_size, config.pp_layer_partition)
 
 
-def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size):
+def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size, store=None):
     from pagedllm.distributed.parallel_state import init_distributed
     from pagedllm.worker.worker import Worker, resolve_device
 
@@ -59,7 +60,7 @@ def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank
         torch.cuda.set_device(local)
     pp = config.pipeline_parallel_size
     group = init_distributed(rank, world_size, device, pp_size=pp,
-                             pp_partition=stage_partition(config, hf_config) if pp > 1 else None)
+                             pp_partition=stage_partition(config, hf_config) if pp > 1 else None, store=store)
     worker = Worker(config, hf_config, max_model_len, max_num_batched_tokens)
     return worker, group
 
@@ -75,11 +76,12 @@ def _agree_num_blocks(worker, group) -> int:
     return int(n.item())
 
 
-def run_worker_rank(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size) -> None:
+def run_worker_rank(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size,
+                    store=None) -> None:
     """Entry point of a non-driver rank: build the shard, then execute broadcast steps forever."""
     import torch.distributed as dist
 
-    worker, group = _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size)
+    worker, group = _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank, world_size, store)
     worker.initialize_cache(_agree_num_blocks(worker, group))
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     dist.gather_object(weight_bytes, None, dst=0, group=group.world_cpu_group)
@@ -103,9 +105,11 @@ def run_worker_rank(config, hf_config, max_model_len, max_num_batched_tokens, ra
 
 
 def _spawned_main(rank, world_size, port, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    from pagedllm.distributed.parallel_state import join_store
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        run_worker_rank(*args, rank, world_size)
+        run_worker_rank(*args, rank, world_size, store=join_store(port, world_size, _RENDEZVOUS_TIMEOUT_S))
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
         os._exit(1)
@@ -113,6 +117,46 @@ def _spawned_main(rank, world_size, port, args) -> None:
     # winding down, and destroying them at exit can abort the process (seen with pipeline groups).
     logging.shutdown()
     os._exit(0)
+
+
+_RENDEZVOUS_TIMEOUT_S = 300.0  # a spawned rank starts an interpreter and imports torch: slow on a busy machine
+_LIVE: list = []  # weakref.finalize of every multi-process engine started here and not yet torn down
+
+
+def _teardown(procs: list) -> None:
+    """Kill what is left of one engine's worker processes and drop its process group (the
+    store goes with it). Run once: by ``shutdown``, on garbage collection, or at exit."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=5)
+    import torch.distributed as dist
+
+    from pagedllm.distributed.parallel_state import PPGroup, TPGroup, set_pp_group, set_tp_group
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    set_tp_group(TPGroup())
+    set_pp_group(PPGroup())
+
+
+def _release_previous_engines() -> None:
+    """Before a new engine's rendezvous: tear down dropped engines (collected now), and refuse
+    while one is still in use (this process's one process group is its)."""
+    global _LIVE
+    _LIVE = [f for f in _LIVE if f.alive]
+    if _LIVE:
+        gc.collect()
+        _LIVE = [f for f in _LIVE if f.alive]
+    if _LIVE:
+        raise RuntimeError("another multi-process engine (tensor/pipeline parallel) is still running in this "
+                           "process: call shutdown() on it (LLM.shutdown(), or llm.engine.shutdown()) or drop every "
+                           "reference to it before building a new one")
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # left by a group made outside an executor (e.g. a test): not ours to keep
+        logger.warning("destroying a torch.distributed process group left in this process before a new engine")
+        dist.destroy_process_group()
 
 
 class MultiprocExecutor:
@@ -140,7 +184,8 @@ class MultiprocExecutor:
         self.procs = []
         args = (config, hf_config, max_model_len, max_num_batched_tokens)
         launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-        saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+        store = None
+        self._teardown = weakref.finalize(self, _teardown, self.procs)
         if launched_by_torchrun:
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size x "
@@ -157,15 +202,22 @@ class MultiprocExecutor:
             elif world > (os.cpu_count() or 1):
                 logger.warning("%d ranks (pipeline %d x tensor %d) share %d CPU cores: the stages will take turns",
                                world, self.pp_size, tp, os.cpu_count())
-            port = _free_port()
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE=str(world))
+            from pagedllm.distributed.parallel_state import serve_store
+
+            _release_previous_engines()
+            store = serve_store(world, _RENDEZVOUS_TIMEOUT_S)
+            _LIVE.append(self._teardown)
             ctx = mp.get_context("spawn")
             for r in range(1, world):
-                p = ctx.Process(target=_spawned_main, args=(r, world, port, args), daemon=True)
+                p = ctx.Process(target=_spawned_main, args=(r, world, store.port, args), daemon=True)
                 p.start()
                 self.procs.append(p)
         try:
-            self.worker, self.group = _build_worker(*args, 0, world)
+            if store is not None:
+                from pagedllm.distributed.parallel_state import wait_for_ranks
+
+                wait_for_ranks(store, self.procs, _RENDEZVOUS_TIMEOUT_S)
+            self.worker, self.group = _build_worker(*args, 0, world, store)
             self.num_blocks = _agree_num_blocks(self.worker, self.group)
             self.worker.initialize_cache(self.num_blocks)
             self.max_model_len = self.worker.max_model_len  # every rank fitted the same value
@@ -176,16 +228,9 @@ class MultiprocExecutor:
             dist.gather_object(sum(p.numel() * p.element_size() for p in self.worker.model.parameters()), sizes,
                                dst=0, group=self.group.world_cpu_group)
             self.weight_bytes_per_rank = sizes
-        except Exception:
-            self._kill()
+        except BaseException:
+            self._teardown()  # no process or process group left behind for a later engine
             raise
-        finally:
-            if not launched_by_torchrun:  # leave no rendezvous variables behind for a later engine
-                for k, v in saved_env.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
         self._dead = False
 
     @property
@@ -280,12 +325,6 @@ class MultiprocExecutor:
         dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
         return ", ".join(f"rank {r} died (exit code {c})" for r, c in dead)
 
-    def _kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=5)
-
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -299,13 +338,7 @@ class MultiprocExecutor:
                 pass
         for p in self.procs:
             p.join(timeout=10)
-        self._kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        from pagedllm.distributed.parallel_state import PPGroup, TPGroup, set_pp_group, set_tp_group
-
-        set_tp_group(TPGroup())
-        set_pp_group(PPGroup())
+        self._teardown()
 
 
 def launched_as_worker_rank() -> bool:
