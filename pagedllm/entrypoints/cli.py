@@ -377,6 +377,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # a stop before uvicorn takes over, and the one it re-raises after its graceful stop: exit 0
             return run_router_command(args, _catch_stop_signals())
         args.stop_requested = _catch_stop_signals()
+        from pagedllm.entrypoints.router.data_parallel import watch_parent
+
+        watch_parent()  # a data-parallel replica: SIGTERM when its launcher dies
         args.model = args.model or args.model_pos
         served_names = list(args.served_model_name or ())  # --served-model-name a b: all routable
         if not args.model and not args.served_model_name:  # the embedded default model
@@ -396,7 +399,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if launched_as_worker_rank():  # torchrun rank > 0: no HTTP, just the model shard's steps
                 serve_as_worker_rank(config)
                 return 0
-        _warm_engine_imports()
         from pagedllm.entrypoints.openai.api_server import ServerArgs, run_server
 
         server_args = ServerArgs(host=args.host, port=args.port, api_key=args.api_key or envs.api_key(),
@@ -422,7 +424,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                                  response_role=args.response_role, disable_fastapi_docs=args.disable_fastapi_docs,
                                  override_generation_config=args.override_generation_config)
-        return run_server(config, server_args, args.stop_requested)
+        from pagedllm.entrypoints.http_guard import listen_socket
+
+        sock = listen_socket(server_args.host, server_args.port)  # a bad host or a busy port: one line
+        # only now (no error exit can race it): a process leaving while this thread is inside
+        # torch's C++ start-up aborts ("terminate called without an active exception", 134)
+        _warm_engine_imports()
+        return run_server(config, server_args, args.stop_requested, sock=sock)
     except ValueError as e:  # bad configuration: one clear line, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -1,13 +1,16 @@
 """What every HTTP front of ours (the OpenAI server, the router) does with a request before its
 app sees it: the API key is checked before a byte of the body is read, and the body -- on every
 route and method -- is read here, bounded in size (413, also for a chunked body without a
-Content-Length) and in the time between chunks (408), then replayed to the app. Nothing here
-imports the engine (the router runs without it)."""
+Content-Length) and in the time between chunks (408), then replayed to the app. Also the
+listening socket (``listen_socket``: a bad host or a port in use is one clear error before
+anything starts) and uvicorn's h11 protocol (``h11_protocol``). Nothing here imports the engine
+(the router runs without it)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import secrets
+import socket
 from typing import Callable, Collection, Optional
 
 ErrorFactory = Callable[..., object]  # (status, message, code, headers) -> an ASGI response
@@ -184,3 +187,23 @@ def h11_protocol(header_timeout: float):
             super().connection_lost(exc)
 
     return _H11Protocol
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (uvicorn listens on it): a host that does not resolve or a
+    port already in use is a ValueError naming it -- before the engine starts loading, so the
+    process ends with that one line and a non-zero exit."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock

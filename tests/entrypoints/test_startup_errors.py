@@ -29,12 +29,19 @@ def test_startup_errors_are_one_line(llama_ckpt, tmp_path):
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     small = ["--kv-cache-memory", "8MiB", "--max-model-len", "256"]
+    busy = socket.socket()  # a port another process listens on
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
     cases = {  # name: (args, exit code, text the error line holds)
         "empty": ([str(empty)], 2, "has no config.json (it is empty)"),
         "no_config": ([str(no_config)], 2, "has no config.json"),
         "port": ([llama_ckpt, "--port", "99999"], 2, "port must be in 0..65535"),
         "truncated": ([str(truncated), "--port", str(free_port()), *small], 1, f"{weights} (corrupt or truncated?)"),
         "debug": ([str(truncated), "--port", str(free_port()), "--log-level", "debug", *small], 1, str(weights)),
+        "port_in_use": ([llama_ckpt, "--port", str(busy.getsockname()[1]), *small], 2,
+                        f"cannot listen on 127.0.0.1:{busy.getsockname()[1]}"),
+        "bad_host": ([llama_ckpt, "--host", "256.1.1.1", "--port", str(free_port()), *small], 2,
+                     "--host '256.1.1.1' is not an address"),
     }
     import torch
 
@@ -54,6 +61,7 @@ def test_startup_errors_are_one_line(llama_ckpt, tmp_path):
             assert "Traceback" not in err, (name, err)
             errors = [line for line in err.splitlines() if "error" in line.lower()]
             assert errors == lines, (name, err)  # the one error line, nothing else alarming
+    busy.close()
 
 
 def test_unparseable_request_gets_json_400(server):

@@ -577,9 +577,10 @@ def make_server(app, args: ServerArgs):
 
 
 def run_server(config: EngineConfig, server_args: ServerArgs,
-               stop_requested: Callable[[], bool] = lambda: False) -> int:
+               stop_requested: Callable[[], bool] = lambda: False, sock=None) -> int:
     """Serve until SIGTERM/SIGINT; returns the process exit code (0 after a graceful stop).
-    ``stop_requested`` says whether a stop signal came before this function took over."""
+    ``stop_requested`` says whether a stop signal came before this function took over; ``sock``:
+    the listening socket, already bound (``http_guard.listen_socket``; bound here without one)."""
     import signal
 
     # A stop signal at any moment (even before uvicorn installs its own handlers, which it
@@ -594,6 +595,10 @@ def run_server(config: EngineConfig, server_args: ServerArgs,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     args = server_args
+    if sock is None:
+        from pagedllm.entrypoints.http_guard import listen_socket
+
+        sock = listen_socket(args.host, args.port)  # a bad host or a busy port: one line, before any loading
     state = ServerState(config, None, args.api_key, skip_tokenizer_init=args.skip_tokenizer_init, args=args)
     state.start_loading()  # overlaps model loading with the web stack's start-up
     app = build_app(config, state=state)
@@ -609,5 +614,5 @@ def run_server(config: EngineConfig, server_args: ServerArgs,
     if holder["stop"]:
         state.shutdown()
         return 0
-    server.run()
+    server.run(sockets=[sock])
     return 1 if state.load_error is not None else 0

@@ -13,6 +13,13 @@ Resources: on CPU the allowed cores are split evenly, replica i pinned to its sh
 existing ``cpu_threads_bind`` (its TP ranks split that share again); ``nobind`` leaves the OS to
 schedule but still sets each replica's thread count to its share. On GPU, replica i sees its own
 ``tensor_parallel_size`` devices through CUDA_VISIBLE_DEVICES.
+
+Lifecycle: the replicas die with this process, however it ends (SIGKILL included): each watches
+a pipe whose write end only this process holds (EOF: the parent is gone) and, on Linux, also has
+PR_SET_PDEATHSIG; either way it gets SIGTERM and stops as a server does. SIGTERM here stops the
+router from accepting and at once passes SIGTERM on to the replicas, which drain as a plain
+server does (``--shutdown-timeout``, then an error event and ``[DONE]`` for each open stream);
+the router relays that to the end before it exits.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from pagedllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
+_PARENT_PIPE_ENV = "PAGEDLLM_PARENT_PIPE_FD"  # set for a replica: the read end of its parent's pipe
 _NOT_FORWARDED = {"data_parallel_size", "host", "port", "model_pos", "model", "api_key", "cpu_threads_bind", "cpu_threads", "routing",
                   "router_index_blocks", "router_max_load_imbalance", "router_min_prefix_ratio", "router_health_interval", "router_retry_max",
                   "help", "version"}
@@ -115,21 +123,61 @@ def child_flags(serve_parser: argparse.ArgumentParser, args: argparse.Namespace)
     return out
 
 
+def watch_parent() -> None:
+    """In a replica (``PAGEDLLM_PARENT_PIPE_FD`` set): SIGTERM to this process when the launcher
+    dies -- its pipe reaches EOF (any OS), or PR_SET_PDEATHSIG fires (Linux)."""
+    import signal
+
+    fd = os.environ.pop(_PARENT_PIPE_ENV, None)
+    if fd is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+    def wait_for_eof() -> None:
+        try:
+            while os.read(int(fd), 1):
+                pass
+        except OSError:
+            pass
+        logger.warning("the data-parallel launcher is gone: stopping this replica")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=wait_for_eof, name="pagedllm-parent-watch", daemon=True).start()
+
+
 class Replicas:
-    """The child servers: started together, stopped together (SIGTERM, then kill)."""
+    """The child servers: started together, stopped together (SIGTERM, then kill); each dies with
+    this process (``watch_parent``: a pipe per replica whose write end stays here)."""
 
     def __init__(self, commands: list[list[str]], envs_: list[dict[str, str]]) -> None:
         self.procs: list[subprocess.Popen] = []
+        self._pipes: list[int] = []  # write ends, never written: closed when this process ends
         for cmd, extra in zip(commands, envs_):
-            self.procs.append(subprocess.Popen(cmd, env={**os.environ, **extra}))
+            read_end, write_end = os.pipe()
+            try:
+                self.procs.append(subprocess.Popen(cmd, env={**os.environ, **extra, _PARENT_PIPE_ENV: str(read_end)},
+                                                   pass_fds=(read_end,)))
+            finally:
+                os.close(read_end)
+            os.set_inheritable(write_end, False)
+            self._pipes.append(write_end)
 
     def all_exited(self) -> bool:
         return all(p.poll() is not None for p in self.procs)
 
-    def stop(self, timeout: float) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to every replica still running: each begins its drain."""
         for p in self.procs:
             if p.poll() is None:
                 p.terminate()
+
+    def stop(self, timeout: float) -> None:
+        self.terminate()
         deadline = time.monotonic() + timeout
         for p in self.procs:
             try:
@@ -137,6 +185,9 @@ class Replicas:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+        for fd in self._pipes:
+            os.close(fd)
+        self._pipes = []
 
 
 def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> int:
@@ -144,11 +195,12 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     is 1 when every replica exited on its own (e.g. a start-up error), else 0."""
     import uvicorn
 
-    from pagedllm.entrypoints.http_guard import h11_protocol
+    from pagedllm.entrypoints.http_guard import h11_protocol, listen_socket
     from pagedllm.entrypoints.router.app import build_router_app
     from pagedllm.entrypoints.router.server import router_args_from
 
     dp = args.data_parallel_size
+    sock = listen_socket(args.host, args.port)  # a bad host or a busy port: before any replica starts
     cpu_flags = replica_cpu_flags(config, dp) if not config.device.startswith("cuda") else [[] for _ in range(dp)]
     gpu_env = replica_gpu_env(config, dp)
     ports = [_free_port() for _ in range(dp)]
@@ -165,9 +217,15 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     logger.info("data parallel: %d replicas on ports %s, routing %s", dp, ports, rargs.policy)
     api_key = args.api_key or envs.api_key()  # to the children by environment, not in their command lines
     replicas = Replicas(commands, [{**e, **({"PAGEDLLM_API_KEY": api_key} if api_key else {})} for e in gpu_env])
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout,
-                                           http=h11_protocol(rargs.http_read_timeout)))
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # stop accepting; the replicas drain their streams now
+            super().handle_exit(sig, frame)
+            replicas.terminate()
+
+    # the replicas end what is still open after shutdown_timeout; their last events need a moment more
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                    timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + 10,
+                                    http=h11_protocol(rargs.http_read_timeout)))
     failed = threading.Event()
 
     def watch() -> None:
@@ -182,7 +240,7 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     threading.Thread(target=watch, name="pagedllm-dp-watch", daemon=True).start()
     try:
         if not args.stop_requested():
-            server.run()
+            server.run(sockets=[sock])
     finally:
         server.should_exit = True
         replicas.stop(args.shutdown_timeout + 10)

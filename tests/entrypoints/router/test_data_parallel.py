@@ -36,28 +36,31 @@ def metric(text: str, name: str, replica: int) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-@pytest.fixture(scope="module")
-def dp_server(llama_ckpt):
+def _start_dp(llama_ckpt, *extra):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", llama_ckpt, "--data-parallel-size", "2",
          "--port", str(port), "--dtype", "float32", "--kv-cache-memory", "8MiB", "--max-model-len", "256",
-         "--router-health-interval", "0.2", "--log-level", "warning", "--no-cpu-kernels"],
+         "--router-health-interval", "0.2", "--log-level", "warning", "--no-cpu-kernels", *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 180
     while True:
         try:
-            metrics = CLIENT.get(f"{url}/metrics", timeout=2).text
-            if metrics.count("replica_up{") == 2 and ' 0\n' not in "".join(
-                    line + "\n" for line in metrics.splitlines() if "replica_up{" in line):
-                break
+            text = CLIENT.get(f"{url}/metrics", timeout=2).text
+            if len(re.findall(r"^pagedllm_router:replica_up\{.*\} 1$", text, re.M)) == 2:
+                return proc, url
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
             pytest.fail(f"the data-parallel server did not start: {proc.stderr.read()[-3000:]}")
         time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def dp_server(llama_ckpt):
+    proc, url = _start_dp(llama_ckpt)
     yield proc, url
     proc.send_signal(signal.SIGTERM)
     try:
@@ -102,3 +105,75 @@ def test_prefix_groups_share_one_replica_cache_then_survive_a_dead_replica(dp_se
             assert r.status_code == 200, r.text
             assert r.headers["x-pagedllm-replica"] == "1"
     assert CLIENT.get(f"{url}/health").status_code == 200
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+def test_sigterm_drains_streams_through_the_router(llama_ckpt):
+    """SIGTERM with --shutdown-timeout 1 and 8 open streams: every stream ends with [DONE] (an
+    error event first for one cut short), the launcher exits 0 and its replicas are gone."""
+    import asyncio
+    import json as json_
+
+    proc, url = _start_dp(llama_ckpt, "--shutdown-timeout", "1")
+    kids = list(children(proc.pid).values())
+    body = {"prompt": "w1 w2 w3", "max_tokens": 240, "ignore_eos": True, "stream": True, "temperature": 0}
+
+    async def one(h, started):
+        async with h.stream("POST", "/v1/completions", json=body) as r:
+            lines = []
+            async for line in r.aiter_lines():
+                if line:
+                    lines.append(line)
+                    if len(lines) == 1:
+                        started.release()
+            return lines
+
+    async def run():
+        started = asyncio.Semaphore(0)
+        async with httpx.AsyncClient(base_url=url, timeout=120) as h:
+            tasks = [asyncio.ensure_future(one(h, started)) for _ in range(8)]
+            for _ in tasks:
+                await started.acquire()
+            proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(*tasks)
+
+    try:
+        streams = asyncio.run(run())
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        last = json_.loads(lines[-2][6:])
+        if "error" in last:
+            assert last["error"]["code"] == "shutting_down"
+        else:
+            assert last["choices"][0]["finish_reason"] == "length"
+    deadline = time.monotonic() + 30
+    while not all(_gone(k) for k in kids):
+        assert time.monotonic() < deadline, "replicas outlived the launcher"
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_replicas_die_with_a_killed_launcher(llama_ckpt):
+    proc, url = _start_dp(llama_ckpt, "--shutdown-timeout", "1")
+    kids = children(proc.pid)
+    proc.kill()  # SIGKILL: no handler runs in the launcher
+    proc.wait(10)
+    deadline = time.monotonic() + 60
+    while not all(_gone(pid) for pid in kids.values()):
+        assert time.monotonic() < deadline, "replicas outlived a SIGKILLed launcher"
+        time.sleep(0.2)
+    for port in kids:
+        with pytest.raises(httpx.HTTPError):
+            CLIENT.get(f"http://127.0.0.1:{port}/health", timeout=2)
