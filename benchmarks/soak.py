@@ -12,14 +12,25 @@ before the answer), 10% malformed requests (bad JSON, wrong types, bad values, w
 method or route), 5% hostile ones (huge n, huge body, lone surrogates, chat-template bombs, tiny
 deadlines, unknown fields, deep nesting, overlong prompts, out-of-vocabulary ids, huge headers),
 the rest well-formed: completions and chat (streamed or not), /tokenize, /detokenize,
-/v1/models. Malformed and hostile requests must get 4xx (a deadline may also finish in time:
+/v1/models. Issue 29's classes are among the hostile ones: structured-output bombs (1 MB choices,
+distinct per request; 4 KB regexes; 900-deep and 100k-enum schemas; deep nesting inside a
+guided_json string; a grammar without a terminal), tool bombs (1,000 / 10,000 tools with
+tool_choice "required"; deep tool-call arguments), beam parameter extremes (length_penalty
++-1e308, 1100, -2000, -Infinity; best_of 1e9; 100 prompts), logprob amplification (n x
+prompt_logprobs, echo x logprobs), the LoRA routes' bodies (huge, bad JSON, 10 KB names with
+newlines) and HEAD /health. ``--router``: the server runs with an API key behind ``pagedllm
+router --api-key`` and every request goes through the router (with the key), plus a "router"
+category sent without it (huge bodies, 2 MB prompts, /tokenize, the LoRA routes): all 401. Malformed and hostile requests must get 4xx (a deadline may also finish in time:
 2xx); nothing may get 5xx. A separate process probes /health every 100 ms (the longest time
 without a 200 is reported) and samples the server's resident memory (its process tree, from
-/proc). At the end running/waiting requests and KV cache usage from /metrics must be back to 0.
+/proc). ``--warmup`` well-formed requests go first; the RSS after them is the baseline the end
+is held to (``--rss-tolerance``, default within 20%). At the end running/waiting requests and
+KV cache usage from /metrics must be back to 0.
 
 Prints a table per request kind and writes JSON (with the CPU, via common.write_json). Exits 1 if
 any request got a 5xx (or an error event in a stream), timed out, or the server did not return
-to idle or exited badly.
+to idle or exited badly, /health answered anything but 200 (the engine died) or went longer than
+``--health-limit-s`` without a 200, or the RSS ended above the tolerance.
 """
 from __future__ import annotations
 
@@ -209,25 +220,117 @@ def hostile_specs(huge_body_bytes: int) -> list[tuple[str, str, bytes, dict | No
         ("huge_logit_bias", "/v1/completions",
          _json_body({"prompt": "a", "max_tokens": 1, "logit_bias": {str(i): 1 for i in range(200000)}}), None, four),
         ("huge_header", "/v1/models", None, {"x-junk": "j" * 1000000}, four),
+        *issue29_specs(huge_body_bytes),
     ]
 
 
-def hostile_spec(i: int, cases) -> Spec:
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{k}", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}} for k in range(n)]
+
+
+def issue29_specs(huge_body_bytes: int) -> list:
+    """Issue 29's hostile classes. A body may be a function of the request's index (distinct
+    requests, which a compile cache cannot absorb)."""
+    four, either = ("4xx",), ("2xx", "4xx")
+    one = {"prompt": "ROMEO:", "max_tokens": 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    deep = "[" * 20000 + "]" * 20000
+    ids500 = list(range(3, 503))
+    beam = {"prompt": "ROMEO:", "max_tokens": 3, "n": 2, "use_beam_search": True}
+    lora = "/v1/load_lora_adapter"
+    return [
+        ("so_choice_1mb_distinct", "/v1/completions",
+         lambda i: _json_body({**one, "guided_choice": ["x" * (1 << 20) + str(i), "y"]}), None, either),
+        ("so_regex_4kb_distinct", "/v1/completions",
+         lambda i: _json_body({**one, "guided_regex": "(" + "|".join(f"w{i}_{k}[a-z]{{1,3}}" for k in range(400))
+                                                       + ")+"}), None, either),
+        ("so_schema_900_deep", "/v1/completions", _json_body({**one, "guided_json": _deep_schema(900)}), None,
+         either),
+        ("so_enum_100k", "/v1/completions", _json_body({**one, "guided_json": {"enum": [str(k) for k in range(100000)]}}),
+         None, either),
+        ("so_json_string_deep", "/v1/completions", _json_body({**one, "guided_json": deep}), None, four),
+        ("so_grammar_no_terminal", "/v1/completions", _json_body({**one, "guided_grammar": "root ::= a\na ::= root"}),
+         None, four),
+        ("tools_required_1k", "/v1/chat/completions", _json_body({**chat, "tools": _tools(1000),
+                                                                  "tool_choice": "required"}), None, either),
+        ("tools_required_10k", "/v1/chat/completions", _json_body({**chat, "tools": _tools(10000),
+                                                                   "tool_choice": "required"}), None, either),
+        ("tool_args_deep", "/v1/chat/completions", _json_body({"max_tokens": 1, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+            {"role": "tool", "tool_call_id": "c", "content": "ok"}]}), None, four),
+        *[(f"beam_length_penalty_{v:g}", "/v1/completions", _json_body({**beam, "length_penalty": v}), None, either)
+          for v in (1100.0, -2000.0, 1e308, -1e308)],
+        ("beam_length_penalty_-inf", "/v1/completions",
+         b'{"prompt": "a", "max_tokens": 3, "n": 2, "use_beam_search": true, "length_penalty": -Infinity}', None,
+         four),
+        ("beam_100_prompts", "/v1/completions", _json_body({**beam, "prompt": ["ROMEO:"] * 100}), None, either),
+        ("best_of_1e9", "/v1/completions", _json_body({**one, "best_of": 10 ** 9}), None, four),
+        ("prompt_logprobs_x_n", "/v1/completions", _json_body({"prompt": ids500, "max_tokens": 1, "n": 128,
+                                                               "prompt_logprobs": 20}), None, either),
+        ("echo_x_logprobs", "/v1/completions", _json_body({"prompt": ids500, "max_tokens": 1, "n": 32, "echo": True,
+                                                           "logprobs": 20}), None, either),
+        ("logit_bias_key_5_0", "/v1/completions", _json_body({**one, "logit_bias": {"5_0": 1}}), None, four),
+        ("lora_huge_body", lora, b'{"lora_name": "' + b"n" * huge_body_bytes + b'", "lora_path": "/x"}', None, four),
+        ("lora_small_body", lora, _json_body({"lora_name": "x", "lora_path": "/nowhere"}), None, four),
+        ("lora_unload", "/v1/unload_lora_adapter", _json_body({"lora_name": "x"}), None, four),
+        ("lora_bad_json", lora, b'{"lora_name": ', None, four),
+        ("lora_name_10kb_newlines", lora, _json_body({"lora_name": "a\n" * 5000, "lora_path": "/x"}), None, four),
+        ("head_health", "HEAD /health", None, None, ("2xx",)),
+    ]
+
+
+def router_specs(huge_body_bytes: int) -> list:
+    """Sent to the router without its API key: refused (401) before a body is read or forwarded."""
+    no = ("401",)
+    return [
+        ("no_key_huge_body", "/v1/completions", b'{"prompt": "' + b"w " * (huge_body_bytes // 2) + b'"}', None, no),
+        ("no_key_prompt_2mb", "/v1/completions", _json_body({"prompt": "w " * (1 << 20), "max_tokens": 1}), None, no),
+        ("no_key_chat_2mb", "/v1/chat/completions",
+         _json_body({"messages": [{"role": "user", "content": "w " * (1 << 20)}]}), None, no),
+        ("no_key_tokenize_huge", "/tokenize", b'{"prompt": "' + b"w" * huge_body_bytes + b'"}', None, no),
+        ("no_key_detokenize", "/detokenize", _json_body({"tokens": [5, 6]}), None, no),
+        ("no_key_models", "GET /v1/models", None, None, no),
+        ("no_key_lora", "/v1/load_lora_adapter", _json_body({"lora_name": "x", "lora_path": "/x"}), None, no),
+        ("wrong_key", "/v1/completions", _json_body({"prompt": "a", "max_tokens": 1}),
+         {"authorization": "Bearer wrong"}, no),
+    ]
+
+
+def hostile_spec(i: int, cases, category: str = "hostile") -> Spec:
     name, path, body, headers, expect = cases[i % len(cases)]
+    if callable(body):
+        body = body(i)
     method = "GET" if body is None else "POST"
+    if " " in path:
+        method, path = path.split(" ")
     stream = b'"stream": true' in (body or b"")
-    return Spec("hostile/" + name, method=method, path=path, body=body, headers=headers, stream=stream,
+    return Spec(f"{category}/" + name, method=method, path=path, body=body, headers=headers, stream=stream,
                 expect=expect)
 
 
-def workload(n: int, seed: int, huge_body_bytes: int) -> list[Spec]:
+def workload(n: int, seed: int, huge_body_bytes: int, router: bool = False) -> list[Spec]:
+    """20% aborts, 10% malformed, 5% hostile (7% with ``router``: 2% sent to it without a key)."""
     rng = random.Random(seed)
     hostile = hostile_specs(huge_body_bytes)
+    no_key = router_specs(huge_body_bytes) if router else []
     names, weights = zip(*NORMAL_KINDS)
-    specs, n_mal, n_host = [], 0, 0
+    specs, n_mal, n_host, n_router = [], 0, 0, 0
     for _ in range(n):
         r = rng.random()
-        if r < 0.20:
+        if router and r >= 0.98:
+            specs.append(hostile_spec(n_router, no_key, "router"))
+            n_router += 1
+        elif r < 0.20:
             specs.append(abort_spec(rng))
         elif r < 0.30:
             specs.append(malformed_spec(n_mal))
@@ -245,10 +348,13 @@ def _status_class(status: int) -> str:
     return f"{status // 100}xx"
 
 
-async def send(client, base: str, spec: Spec, timeout: float) -> dict:
+async def send(client, base: str, spec: Spec, timeout: float, api_key: str | None = None) -> dict:
     """Send one request; the outcome: status (or 'aborted' / an exception name), error events seen
-    in a 200 stream, and the latency."""
+    in a 200 stream, and the latency. ``api_key``: sent with every request but the router
+    category's."""
     headers = dict(spec.headers)
+    if api_key and not spec.kind.startswith("router/"):
+        headers["authorization"] = f"Bearer {api_key}"
     if spec.body is not None and "content-type" not in headers:
         headers["content-type"] = "application/json"
     t0 = time.perf_counter()
@@ -328,7 +434,8 @@ def judge(spec: Spec, out: dict) -> str:
     if status is None:
         # The server closed the connection: acceptable only when it refused the request itself
         # (a body over the limit may be cut while still uploading).
-        return "ok" if spec.kind in ("hostile/huge_body", "hostile/huge_header") else "unexpected"
+        return "ok" if spec.kind in ("hostile/huge_body", "hostile/huge_header", "hostile/lora_huge_body") \
+            or spec.kind.startswith("router/no_key") else "unexpected"
     cls = _status_class(status)
     if cls in spec.expect or str(status) in spec.expect:
         return "ok"
@@ -337,7 +444,8 @@ def judge(spec: Spec, out: dict) -> str:
     return "unexpected"
 
 
-async def drive(base: str, specs: list[Spec], concurrency: int, timeout: float) -> list[dict]:
+async def drive(base: str, specs: list[Spec], concurrency: int, timeout: float,
+                api_key: str | None = None) -> list[dict]:
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
@@ -349,7 +457,7 @@ async def drive(base: str, specs: list[Spec], concurrency: int, timeout: float) 
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
         async def worker():
             for i in nxt:
-                out = await send(client, base, specs[i], timeout)
+                out = await send(client, base, specs[i], timeout, api_key)
                 out["verdict"] = judge(specs[i], out)
                 results[i] = out
                 done[0] += 1
@@ -394,7 +502,11 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def monitor(url: str, pid: int, interval: float, stop, conn) -> None:
+def tree_rss(pids) -> int:
+    return sum(_tree_rss(p) for p in pids)
+
+
+def monitor(url: str, pids: list[int], interval: float, stop, conn) -> None:
     """In its own process: GET /health every ``interval`` s (5 s timeout) and the server's RSS every
     0.5 s until ``stop`` is set; sends back the probe counts, the longest time without a 200 and
     the RSS samples."""
@@ -403,7 +515,7 @@ def monitor(url: str, pid: int, interval: float, stop, conn) -> None:
     host, port = url.split("//")[1].split(":")
     probes, non200, failures = 0, Counter(), 0
     t_start = last_ok = time.monotonic()
-    longest, longest_at = 0.0, None
+    longest, longest_at, slowest = 0.0, None, 0.0
     rss, next_rss = [], 0.0
     conn_http = None
     while not stop.is_set():
@@ -419,6 +531,7 @@ def monitor(url: str, pid: int, interval: float, stop, conn) -> None:
             code, conn_http = None, None
         now = time.monotonic()
         probes += 1
+        slowest = max(slowest, now - t)
         if code == 200:
             if now - last_ok > longest:
                 longest, longest_at = now - last_ok, last_ok - t_start
@@ -427,13 +540,13 @@ def monitor(url: str, pid: int, interval: float, stop, conn) -> None:
             non200[str(code)] += 1
             failures += 1
         if now >= next_rss:
-            rss.append((now - t_start, _tree_rss(pid)))
+            rss.append((now - t_start, tree_rss(pids)))
             next_rss = now + 0.5
         time.sleep(max(0.0, interval - (time.monotonic() - t)))
     now = time.monotonic()
     if now - last_ok > longest:
         longest, longest_at = now - last_ok, last_ok - t_start
-    conn.send({"probes": probes, "non_200": dict(non200), "longest_gap_s": longest,
+    conn.send({"probes": probes, "non_200": dict(non200), "longest_gap_s": longest, "slowest_probe_s": slowest,
                "longest_gap_starts_at_s": longest_at, "rss": rss})
     conn.close()
 
@@ -472,10 +585,13 @@ def wait_idle(base: str, timeout: float) -> tuple[dict, float | None]:
         time.sleep(0.2)
 
 
-def start_server(model: str | None, extra: list[str], log_path: str, timeout: float):
+def start_server(model: str | None, extra: list[str], log_path: str, timeout: float, cmd=None):
+    """``pagedllm serve`` (or ``cmd`` + ``--port``) until its /health answers 200."""
     port = free_port()
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"] + ([model] if model else [])
-    cmd += ["--port", str(port), "--log-level", "info", "--served-model-name", "tiny-shakespeare"] + extra
+    if cmd is None:
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"] + ([model] if model else [])
+        cmd += ["--log-level", "info", "--served-model-name", "tiny-shakespeare"] + extra
+    cmd = cmd + ["--port", str(port)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
@@ -538,34 +654,62 @@ def main() -> int:
     ap.add_argument("--huge-body-mib", type=float, default=8.0, help="size of the hostile huge-body request")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
+    ap.add_argument("--router", action="store_true",
+                    help="the server with an API key behind pagedllm router --api-key; requests go through the router "
+                         "(with the key), plus a category sent to it without the key")
+    ap.add_argument("--warmup", type=int, default=200,
+                    help="well-formed requests before the soak; the RSS after them is the baseline")
+    ap.add_argument("--rss-tolerance", type=float, default=0.2,
+                    help="the RSS at the end may exceed the post-warm-up RSS by this fraction (default 0.2)")
+    ap.add_argument("--health-limit-s", type=float, default=1.0,
+                    help="the longest time /health may go without a 200 (default 1 s)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "soak.json"))
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra flags for pagedllm serve (after --)")
     args = ap.parse_args()
     extra = [a for a in args.serve_args if a != "--"]
 
-    specs = workload(args.num_requests, args.seed, int(args.huge_body_mib * (1 << 20)))
+    huge = int(args.huge_body_mib * (1 << 20))
+    specs = workload(args.num_requests, args.seed, huge, router=args.router)
+    warm = [normal_spec(random.Random(args.seed + 1 + k), "completion") for k in range(args.warmup)]
     log_path = args.server_log or tempfile.mkstemp(prefix="pagedllm-soak-", suffix=".log")[1]
-    proc, server_cmd, ready_s = None, None, None
+    proc, server_cmd, ready_s, router_proc, api_key = None, None, None, None, None
     if args.base_url:
         base = args.base_url.rstrip("/")
     else:
+        if args.router:
+            api_key = "soak-" + os.urandom(8).hex()
+            extra = extra + ["--api-key", api_key]
         proc, base, server_cmd, ready_s = start_server(args.model, extra, log_path, args.startup_timeout)
         print(f"server ready after {ready_s:.1f} s at {base} (log: {log_path})")
+    server_base = base  # /health, /metrics and RSS: the server itself
+    if args.router and proc:
+        router_cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--backends", base,
+                      "--api-key", api_key, "--routing", "least_loaded", "--log-level", "warning",
+                      "--max-request-body-size", str(4 << 20)]
+        router_proc, base, _, _ = start_server(None, [], log_path + ".router", args.startup_timeout, router_cmd)
+        print(f"router ready at {base}")
+    pids = [p.pid for p in (proc, router_proc) if p] or [os.getpid()]
+    if warm:
+        asyncio.run(drive(base, warm, min(args.concurrency, 16), args.request_timeout, api_key))
+        wait_idle(server_base, timeout=60)
+    rss_warm = tree_rss(pids) if proc else None
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     parent, child = ctx.Pipe(duplex=False)
-    mon = ctx.Process(target=monitor, args=(base, proc.pid if proc else os.getpid(), args.health_interval, stop,
-                                            child), daemon=True)
+    mon = ctx.Process(target=monitor, args=(server_base, pids, args.health_interval, stop, child), daemon=True)
     mon.start()
     time.sleep(0.3)
-    before = scrape(base)
+    before = scrape(server_base)
     t0 = time.perf_counter()
-    results = asyncio.run(drive(base, specs, args.concurrency, args.request_timeout))
+    results = asyncio.run(drive(base, specs, args.concurrency, args.request_timeout, api_key))
     elapsed = time.perf_counter() - t0
-    after, drained_s = wait_idle(base, timeout=60)
+    after, drained_s = wait_idle(server_base, timeout=60)
+    rss_end = tree_rss(pids) if proc else None
     stop.set()
     health = parent.recv() if parent.poll(30) else {}
     mon.join(10)
+    if router_proc:
+        stop_server(router_proc)
     exit_code = stop_server(proc) if proc else None
     tracebacks = server_kernels = server_kv_cache = None
     if proc:
@@ -603,6 +747,11 @@ def main() -> int:
         "health_longest_gap_starts_at_s": health.get("longest_gap_starts_at_s"),
         "rss_mib": {"start": round(rss_mib[0], 1), "peak": round(max(rss_mib), 1),
                     "end": round(rss_mib[-1], 1)} if rss_mib else None,
+        "warmup_requests": len(warm), "router": args.router,
+        "rss_after_warmup_mib": round(rss_warm / (1 << 20), 1) if rss_warm else None,
+        "rss_after_idle_mib": round(rss_end / (1 << 20), 1) if rss_end else None,
+        "rss_growth": round(rss_end / rss_warm - 1, 3) if rss_warm else None,
+        "health_slowest_probe_s": round(health["slowest_probe_s"], 3) if "slowest_probe_s" in health else None,
         "metrics_before": before, "metrics_after": after, "drained_after_s": drained_s,
         "idle_at_end": drained_s is not None,
         "rss_timeline_mib": timeline,
@@ -622,6 +771,12 @@ def main() -> int:
     if health:
         print(f"/health: {health['probes']} probes, non-200 {health['non_200'] or 0}, longest gap without a 200 "
               f"{health['longest_gap_s'] * 1000:.0f} ms")
+    if rss_warm:
+        print(f"RSS after warm-up {summary['rss_after_warmup_mib']} MiB, after the soak (idle) "
+              f"{summary['rss_after_idle_mib']} MiB: {100 * summary['rss_growth']:+.1f}% "
+              f"(tolerance {100 * args.rss_tolerance:.0f}%)")
+    if health:
+        print(f"/health: slowest probe {summary['health_slowest_probe_s']} s (limit {args.health_limit_s:g} s)")
     if rss_mib:
         print(f"server RSS (process tree): start {rss_mib[0]:.0f} MiB, peak {max(rss_mib):.0f} MiB, "
               f"end {rss_mib[-1]:.0f} MiB (KV cache {server_kv_cache}); over the run (s: MiB): "
@@ -632,11 +787,20 @@ def main() -> int:
           + f"; finished sequences by reason {after.get('finished')}")
     if proc:
         print(f"server exit code after SIGTERM: {exit_code}; tracebacks in its log: {tracebacks}")
-    write_json(args.out, summary)
     if args.out:
         print(f"wrote {args.out}")
-    bad = summary["status_5xx"] or summary["stalls"] or not summary["idle_at_end"] or (proc and exit_code != 0)
-    return 1 if bad else 0
+    summary_gates = {
+        "no_5xx": not summary["status_5xx"], "no_stalls": not summary["stalls"], "idle_at_end": summary["idle_at_end"],
+        "server_exit_0": not proc or exit_code == 0,
+        "health_always_200": not health.get("non_200"),
+        "health_within_limit": health.get("longest_gap_s", 0.0) <= args.health_limit_s,
+        "rss_within_tolerance": summary["rss_growth"] is None or summary["rss_growth"] <= args.rss_tolerance,
+    }
+    failed = [k for k, v in summary_gates.items() if not v]
+    print("gates: " + ("all passed" if not failed else "FAILED " + ", ".join(failed)))
+    summary["gates"] = summary_gates
+    write_json(args.out, summary)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
