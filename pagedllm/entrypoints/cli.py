@@ -266,6 +266,8 @@ def _add_vllm_serve_flags(srv: argparse.ArgumentParser) -> None:
                    help="accepted: no checkpoint code is ever run here (only the built-in architectures load)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors"],
                    help="weights format: safetensors (the only one; auto means it)")
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="split a thinking model's <think>...</think> reasoning into reasoning_content")
     g.add_argument("--structured-outputs-config", type=_structured_outputs_config, default=None,
                    help='{"backend": "xgrammar"} (or "auto"): the one structured-outputs backend here')
 
@@ -423,7 +425,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                  ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
                                  response_role=args.response_role, disable_fastapi_docs=args.disable_fastapi_docs,
-                                 override_generation_config=args.override_generation_config)
+                                 override_generation_config=args.override_generation_config,
+                                 reasoning_parser=args.reasoning_parser)
         from pagedllm.entrypoints.http_guard import listen_socket
 
         sock = listen_socket(server_args.host, server_args.port)  # a bad host or a busy port: one line

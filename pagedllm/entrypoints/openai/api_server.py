@@ -152,7 +152,8 @@ class ServerState:
                                  self.args.request_timeout, self.chat_template, self.args.enable_auto_tool_choice,
                                  self.args.tool_call_parser)
         options = dataclasses.replace(options, log_requests=self.args.enable_log_requests,
-                                      max_logprobs=self.args.max_logprobs, response_role=self.args.response_role)
+                                      max_logprobs=self.args.max_logprobs, response_role=self.args.response_role,
+                                      reasoning_parser=self.args.reasoning_parser)
         serving = OpenAIServing(engine, self.served_model_names, self.model_path, options)
         serving.default_sampling_params.update(generation_overrides(self.args.override_generation_config))
         self.responses = ServingResponses(serving)  # before serving: a request that finds serving finds this
@@ -488,6 +489,7 @@ class ServerArgs:
     response_role: str = "assistant"  # the role of chat replies
     disable_fastapi_docs: bool = False  # also no /openapi.json (the /docs pages are never served)
     override_generation_config: Optional[str] = None  # JSON over the model's generation_config.json defaults
+    reasoning_parser: Optional[str] = None  # deepseek_r1 | qwen3: reasoning_content apart from content
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -519,6 +521,10 @@ class ServerArgs:
         if not self.response_role:
             raise ValueError("response_role must not be empty")
         generation_overrides(self.override_generation_config)  # malformed JSON fails at start-up
+        if self.reasoning_parser is not None:
+            from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # an unknown name fails at start-up
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(f"metrics_prefix must be a metric name prefix such as pagedllm or vllm, "
                              f"got {self.metrics_prefix!r}")

@@ -306,6 +306,11 @@ class ChatMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: Optional[str] = None  # vLLM: with --reasoning-parser
+
+    @model_serializer(mode="wrap")
+    def _drop_reasoning(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None or k != "reasoning_content"}
 
 
 class DeltaFunctionCall(BaseModel):
@@ -359,6 +364,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # vLLM: with --reasoning-parser
     tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")

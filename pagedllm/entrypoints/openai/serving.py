@@ -28,6 +28,7 @@ from pagedllm.engine.protocol import EngineClient
 from pagedllm.entrypoints.openai import logprobs as lp_format
 from pagedllm.entrypoints.openai.beam import beam_search_params, check_best_of
 from pagedllm.entrypoints.openai import tool_calls as tc
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream, get_reasoning_parser
 from pagedllm.entrypoints.openai.structured import rename_field, request_constraint
 from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.entrypoints.openai.protocol import (
@@ -120,6 +121,7 @@ class ServingOptions:
     log_requests: bool = False  # --enable-log-requests: one line per engine request
     max_logprobs: int = 20  # --max-logprobs
     response_role: str = "assistant"  # --response-role
+    reasoning_parser: Optional[str] = None  # --reasoning-parser: deepseek_r1 | qwen3
 
 
 def sse(model) -> str:
@@ -351,7 +353,7 @@ class OpenAIServing:
         if self.options.log_requests:
             for prompt, params, rid in items:
                 logger.info("request %s: model %s, %d prompt tokens, %s", rid, model,
-                            len(prompt.get("prompt_token_ids") or ()), params)
+                            len(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt.token_ids), params)
         try:
             return await StreamSet(self.engine, items, timeout, self.live_streams, self.lora_for(model)).start()
         except Exception as e:
@@ -638,13 +640,19 @@ class OpenAIServing:
             raise to_api_error(e) from None
         finally:
             streams.close()
-        result, echo = [], self._chat_echo(req)
+        result, echo, thinking = [], self._chat_echo(req), self._reasoning_parser()
         for k, c in sorted(choices.items()):
-            content, calls = tc.parse_output(plan or tc.ToolPlan(), "".join(c.text))
+            text, thought = "".join(c.text), None
+            if thinking is not None:  # --reasoning-parser: the reasoning apart, the rest is the reply
+                thought, text = thinking.extract(text)
+            content, calls = tc.parse_output(plan or tc.ToolPlan(), text or "")
+            if thinking is not None and not text:
+                content = None
             if echo and (content is not None or not calls):
                 content = echo + (content or "")
             result.append(ChatChoice(index=k, message=ChatMessage(role=self.options.response_role, content=content,
-                                                                  tool_calls=tc.tool_calls(calls)),
+                                                                  tool_calls=tc.tool_calls(calls),
+                                                                  reasoning_content=thought),
                                      logprobs=self._chat_lps(req, c.token_ids, c.logprobs),
                                      finish_reason=tc.finish_reason(plan or tc.ToolPlan(), calls, c.finish_reason),
                                      stop_reason=c.stop_reason, token_ids=c.token_ids if req.return_token_ids else None))
@@ -652,6 +660,10 @@ class OpenAIServing:
         return ChatCompletionResponse(id=rid, model=model, choices=result, usage=self._usage(prompt_len, ntok, cached),
                                       prompt_logprobs=self._prompt_logprobs(req, last),
                                       prompt_token_ids=(last.prompt_token_ids if req.return_token_ids and last else None))
+
+    def _reasoning_parser(self):
+        name = self.options.reasoning_parser
+        return get_reasoning_parser(name) if name else None
 
     @staticmethod
     def _chat_echo(req) -> str:
@@ -667,6 +679,8 @@ class OpenAIServing:
     async def _chat_stream(self, req, streams: StreamSet, rid, model, prompt_len, plan=None) -> AsyncIterator[str]:
         done, ntok, cached = set(), 0, 0
         tools = {k: tc.ToolStream(plan) for k in range(req.n)} if plan is not None and plan.active else None
+        thinking = self._reasoning_parser()
+        reasoning = {k: ReasoningStream(thinking) for k in range(req.n)} if thinking is not None else None
         role_sent = False
         try:
             async for _, out in streams:
@@ -688,8 +702,16 @@ class OpenAIServing:
                     ntok += len(o.token_ids)
                     if o.finish_reason is not None:
                         done.add(o.index)
+                    text = o.text
+                    if reasoning is not None:  # --reasoning-parser: reasoning_content deltas first
+                        thought, text = reasoning[o.index].feed(o.text, o.finish_reason is not None)
+                        if thought:
+                            yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[ChatStreamChoice(
+                                index=o.index, delta=DeltaMessage(reasoning_content=thought))]))
+                        if not text and o.finish_reason is None:
+                            continue
                     if tools is not None:  # tool calls: content and tool_calls deltas, then the finish
-                        for delta in tools[o.index].feed(o.text, o.finish_reason is not None):
+                        for delta in tools[o.index].feed(text, o.finish_reason is not None):
                             yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[
                                 ChatStreamChoice(index=o.index, delta=delta)]))
                         if o.finish_reason is None:
@@ -699,7 +721,7 @@ class OpenAIServing:
                                                   stop_reason=o.stop_reason)
                         yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
                         continue
-                    choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(content=o.text),
+                    choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(content=text),
                                               logprobs=self._chat_lps(req, o.token_ids, o.logprobs),
                                               finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                               token_ids=list(o.token_ids) if req.return_token_ids else None)
