@@ -78,9 +78,10 @@ class AttentionBackend(Protocol):
     @staticmethod
     def make_impl(
         num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None,
-        logits_soft_cap: float | None = None,
+        logits_soft_cap: float | None = None, alibi_slopes: torch.Tensor | None = None,
     ) -> AttentionImpl:
         """One layer's impl. ``sliding_window``: key j visible from position p iff p - j < window
         (None: all earlier keys); ``logits_soft_cap``: scores become cap * tanh(score / cap) before
-        the softmax (None: unchanged)."""
+        the softmax (None: unchanged); ``alibi_slopes`` (float32 [num_heads], on the cache's device):
+        the scaled score of key j from position p gains ``slope[head] * (j - p)`` (ALiBi)."""
         ...

@@ -15,7 +15,10 @@ compiler, other dtypes) the pure-torch paths:
 The plan (which rows are decodes, gather indices, masks) is built once per step and shared by
 all layers. Per layer: a sliding window and logit soft-capping (Gemma 2: scores become
 ``cap * tanh(score / cap)`` before the softmax; the kernels take it as an argument, the torch
-paths then compute the scores explicitly instead of through SDPA).
+paths then compute the scores explicitly instead of through SDPA). ALiBi (``alibi_slopes``,
+Falcon-7B/40B): the torch paths only (the C++ kernels take no bias), with the per-head linear
+bias ``slope * (key position - query position)`` folded into the step's additive masks, so the
+masks of an ALiBi step are per kv head and query head.
 
 8-bit caches (kv_cache_dtype int8 / fp8, ``kv_scales`` given; attention/kv_quant.py): the write
 quantizes each token's K/V row per kv head (C++ ``write_kv_quant``, else the torch reference);
@@ -89,9 +92,16 @@ class _KernelPrefillPlan:
     seq_len: torch.Tensor  # [P] int32
 
 
+def _alibi_bias(slopes: torch.Tensor, rel: np.ndarray, num_kv_heads: int, group: int) -> torch.Tensor:
+    """[..., Hkv, G, L]-broadcastable bias ``slope * rel`` for ``rel`` [R, L] (key - query position)
+    -> [R, Hkv, G, L] float32."""
+    r = torch.from_numpy(rel.astype(np.float32)).to(slopes.device)
+    return slopes.view(1, num_kv_heads, group, 1).float() * r[:, None, None, :]
+
+
 class _StepPlan:
     def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int], group: int,
-                 use_kernel: bool, quantized: bool = False) -> None:
+                 use_kernel: bool, quantized: bool = False, alibi: Optional[torch.Tensor] = None) -> None:
         qsl = md.query_start_loc_cpu
         seq_lens = md.seq_lens_cpu
         qlens = np.diff(qsl)
@@ -115,7 +125,7 @@ class _StepPlan:
             order = decode_idx[np.argsort(seq_lens[decode_idx], kind="stable")]
             num_buckets = min(_MAX_DECODE_BUCKETS, -(-len(order) // _MIN_DECODE_BUCKET))
             for bucket in np.array_split(order, num_buckets):
-                self.decodes.append(self._decode_plan(md, bucket, block_size, sliding_window, device))
+                self.decodes.append(self._decode_plan(md, bucket, block_size, sliding_window, device, alibi, group))
         self.prefills: list[_PrefillPlan] = []
         self.kernel_prefill: Optional[_KernelPrefillPlan] = None
         prefill_idx = np.nonzero(qlens > 1)[0]
@@ -139,14 +149,17 @@ class _StepPlan:
             if sliding_window is not None:
                 keep &= kpos > qpos - sliding_window
             mask = _additive(keep, device)
-            if group > 1:
+            if alibi is not None:  # [Hkv, q * group, L]: rows (position, query head of the kv head)
+                bias = _alibi_bias(alibi, kpos - qpos, alibi.shape[0] // group, group)  # [q, Hkv, G, L]
+                mask = (bias + mask[:, None, None, :]).permute(1, 0, 2, 3).reshape(-1, q * group, mask.shape[-1])
+            elif group > 1:
                 mask = mask.repeat_interleave(group, dim=0)
             block_ids = md.block_table[i, :nb].long() if from_cache else None
             self.prefills.append(_PrefillPlan(s, e, block_ids, mask, L - q))
 
 
     @staticmethod
-    def _decode_plan(md, idx, block_size, sliding_window, device) -> _DecodePlan:
+    def _decode_plan(md, idx, block_size, sliding_window, device, alibi=None, group=1) -> _DecodePlan:
         dl = md.seq_lens_cpu[idx]
         nb = -(-int(dl.max()) // block_size)
         block_ids = md.block_table[torch.from_numpy(idx).to(device), :nb].reshape(-1).long()
@@ -156,6 +169,9 @@ class _StepPlan:
         if sliding_window is not None:
             keep &= pos[None, :] > (dl[:, None] - 1 - sliding_window)
         mask = None if keep.all() else _additive(keep, device)[:, None, None, :]
+        if alibi is not None:  # [B, Hkv, G, L]
+            bias = _alibi_bias(alibi, pos[None, :] - (dl[:, None] - 1), alibi.shape[0] // group, group)
+            mask = bias if mask is None else bias + mask
         return _DecodePlan(torch.from_numpy(md.query_start_loc_cpu[idx]).to(device), block_ids, mask, length)
 
 
@@ -168,7 +184,7 @@ def _blocks(cache: torch.Tensor, scales: Optional[torch.Tensor], block_ids: torc
 
 class TorchNativeAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int],
-                 logits_soft_cap: Optional[float] = None) -> None:
+                 logits_soft_cap: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
@@ -176,15 +192,19 @@ class TorchNativeAttention:
         self.scale = scale
         self.sliding_window = sliding_window
         self.soft_cap = float(logits_soft_cap) if logits_soft_cap else 0.0
+        self.alibi = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+        if self.alibi is not None and self.alibi.shape != (num_heads,):
+            raise ValueError(f"alibi_slopes must have one slope per query head ({num_heads}), got {tuple(self.alibi.shape)}")
 
     def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype, use_kernel: bool,
               quantized: bool) -> _StepPlan:
         # Built by the first layer of the step, reused by the others.
-        key = ("torch_native", block_size, self.sliding_window, self.group, dtype, quantized)
+        alibi_key = None if self.alibi is None else self.alibi.data_ptr()  # layers share one slopes tensor
+        key = ("torch_native", block_size, self.sliding_window, self.group, dtype, quantized, alibi_key)
         plan = md.backend_cache.get(key)
         if plan is None:
             plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, use_kernel,
-                                                     quantized)
+                                                     quantized, self.alibi)
         return plan
 
     def forward(self, query, key, value, kv_cache, md: AttentionMetadata, kv_scales=None) -> torch.Tensor:
@@ -211,7 +231,8 @@ class TorchNativeAttention:
             v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
         scale_kw = {} if kv_scales is None else {"k_scales": k_scales, "v_scales": v_scales}
 
-        plan = self._plan(md, block_size, query.dtype, kernels is not None and D % 8 == 0, kv_scales is not None)
+        use_kernel = kernels is not None and D % 8 == 0 and self.alibi is None
+        plan = self._plan(md, block_size, query.dtype, use_kernel, kv_scales is not None)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous rows
         if plan.kernel_decode is not None:
             kd = plan.kernel_decode
@@ -280,7 +301,7 @@ class TorchNativeAttention:
             b = min(a + _QUERY_CHUNK_POSITIONS, n)
             kend = prefix + b  # later keys are masked for every query of this chunk
             rows = slice(a * G, b * G)
-            scores = torch.baddbmm(mask[rows, :kend], q[:, rows], k[:, :kend].transpose(1, 2), alpha=self.scale)
+            scores = torch.baddbmm(mask[..., rows, :kend], q[:, rows], k[:, :kend].transpose(1, 2), alpha=self.scale)
             out[:, rows] = torch.bmm(torch.softmax(scores, dim=-1), v[:, :kend])
         return out
 
@@ -290,5 +311,7 @@ class TorchNativeAttentionBackend:
     kv_cache_dtypes = ("auto",) + kv_quant.QUANTIZED_KV_CACHE_DTYPES
 
     @staticmethod
-    def make_impl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap=None) -> TorchNativeAttention:
-        return TorchNativeAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap)
+    def make_impl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap=None,
+                  alibi_slopes=None) -> TorchNativeAttention:
+        return TorchNativeAttention(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap,
+                                    alibi_slopes)

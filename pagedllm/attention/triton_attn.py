@@ -26,7 +26,8 @@ Two kernels plus an optional reduction:
     offset and optional sliding window (key ``j`` visible from position ``p`` iff
     ``j <= p and p - j < window``) and optional logit soft-capping (``cap * tanh(score / cap)``
     before the softmax, Gemma 2; a compile-time flag, so other layers run the same code as
-    before). The KV range is clipped per tile: it stops at the tile's last
+    before) and optional ALiBi (``slope[head] * (key - query position)`` added to the scaled
+    score, Falcon; also a compile-time flag). The KV range is clipped per tile: it stops at the tile's last
     query position and, with a window, starts at the first key any row of the tile can see.
   - Split-KV (flash-decoding): with ``NUM_SPLITS > 1`` the tile's KV range is divided into
     contiguous chunks over grid axis 2; each program writes an unnormalised partial
@@ -182,6 +183,7 @@ def _unified_attention_kernel(
     v_cache_ptr,
     k_scale_ptr,  # 8-bit caches: bf16 scales [num_blocks, block_size, kv_heads] (else unused)
     v_scale_ptr,
+    alibi_ptr,  # float32 [num_heads] ALiBi slopes (ALIBI set; else unused)
     out_ptr,
     part_acc_ptr,
     part_m_ptr,
@@ -209,6 +211,7 @@ def _unified_attention_kernel(
     stride_bt,
     SLIDING_WINDOW: tl.constexpr,  # 0 = no window
     SOFT_CAP: tl.constexpr,  # logit soft-capping compiled in (a separate specialisation)
+    ALIBI: tl.constexpr,  # ALiBi bias compiled in
     QPK: tl.constexpr,  # query heads per kv head
     QPK_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -250,6 +253,9 @@ def _unified_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+
+    if ALIBI:  # slopes in base-2 units, as the scores below
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
 
     # KV positions this tile can see: [kv_lo, kv_hi).
     kv_hi = tl.minimum(seq_len, ctx_len + q_off + BLOCK_Q)
@@ -316,6 +322,8 @@ def _unified_attention_kernel(
             s = t * (soft_cap * 1.4426950408889634)
         else:
             s = s * scale_log2
+        if ALIBI:
+            s = s + slope[:, None] * (kp[None, :] - q_pos[:, None]).to(tl.float32)
 
         visible = kv_ok[None, :] & (kp[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
@@ -447,6 +455,7 @@ def unified_attention(
     num_splits: int | None = None,
     soft_cap: float | None = None,
     kv_scales: torch.Tensor | None = None,  # 8-bit kv_cache: [2, num_blocks, block_size, num_kv_heads] bf16
+    alibi_slopes: torch.Tensor | None = None,  # float32 [num_heads], on the query's device
 ) -> torch.Tensor:
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -488,6 +497,8 @@ def unified_attention(
     else:
         part_acc = part_m = part_l = out  # unused
 
+    if alibi_slopes is not None:
+        assert alibi_slopes.shape == (num_heads,) and alibi_slopes.dtype == torch.float32
     num_q_tiles = num_tokens // block_q + num_reqs
     grid = (num_q_tiles, num_kv_heads, num_splits)
     _unified_attention_kernel[grid](
@@ -496,6 +507,7 @@ def unified_attention(
         v_cache,
         k_scales,
         v_scales,
+        alibi_slopes if alibi_slopes is not None else out,
         out,
         part_acc,
         part_m,
@@ -521,6 +533,7 @@ def unified_attention(
         block_table.stride(0),
         SLIDING_WINDOW=int(sliding_window) if sliding_window else 0,
         SOFT_CAP=bool(soft_cap),
+        ALIBI=alibi_slopes is not None,
         QPK=qpk,
         QPK_PAD=qpk_pad,
         BLOCK_Q=block_q,
@@ -561,7 +574,7 @@ def unified_attention(
 class TritonAttentionImpl:
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None,
-        logits_soft_cap: float | None = None,
+        logits_soft_cap: float | None = None, alibi_slopes: torch.Tensor | None = None,
     ) -> None:
         assert num_heads % num_kv_heads == 0
         self.num_heads = num_heads
@@ -570,6 +583,7 @@ class TritonAttentionImpl:
         self.scale = float(scale)
         self.sliding_window = int(sliding_window) if sliding_window else None
         self.soft_cap = float(logits_soft_cap) if logits_soft_cap else None
+        self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
         # None = heuristic (choose_num_splits); an int forces the split count (tests/benchmarks).
         self.num_splits: int | None = None
 
@@ -609,6 +623,7 @@ class TritonAttentionImpl:
             num_splits=self.num_splits,
             soft_cap=self.soft_cap,
             kv_scales=kv_scales,
+            alibi_slopes=self.alibi_slopes,
         )
         return out
 
@@ -620,9 +635,10 @@ class TritonAttentionBackend:
     @staticmethod
     def make_impl(
         num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None,
-        logits_soft_cap: float | None = None,
+        logits_soft_cap: float | None = None, alibi_slopes: torch.Tensor | None = None,
     ) -> TritonAttentionImpl:
-        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap)
+        return TritonAttentionImpl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap,
+                                   alibi_slopes)
 
 
 __all__ = [

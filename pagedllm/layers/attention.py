@@ -11,7 +11,7 @@ from pagedllm.attention.forward_context import get_attention_metadata
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int] = None,
-                 logits_soft_cap: Optional[float] = None) -> None:
+                 logits_soft_cap: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -19,6 +19,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap  # Gemma 2: scores -> cap * tanh(score / cap)
+        # ALiBi (Falcon-7B/40B, BLOOM, MPT): float32 [num_heads] of this rank's heads; score of key j
+        # from position p gains slope * (j - p)
+        self.alibi_slopes = alibi_slopes
         self.kv_cache: Optional[torch.Tensor] = None  # bound by the worker after allocation
         self.kv_scales: Optional[torch.Tensor] = None  # 8-bit kv_cache_dtype: [2, num_blocks, block_size, kv_heads]
         self.impl = None  # bound by the worker (backend chosen by device)
@@ -26,8 +29,9 @@ class Attention(nn.Module):
     def bind(self, backend, kv_cache: torch.Tensor, kv_scales: Optional[torch.Tensor] = None) -> None:
         self.kv_cache = kv_cache
         self.kv_scales = kv_scales
+        extra = {} if self.alibi_slopes is None else {"alibi_slopes": self.alibi_slopes.to(kv_cache.device)}
         self.impl = backend.make_impl(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.sliding_window,
-                                      self.logits_soft_cap)
+                                      self.logits_soft_cap, **extra)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.impl is None or self.kv_cache is None:

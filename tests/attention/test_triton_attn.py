@@ -166,7 +166,8 @@ class Case:
         v = cache[1].reshape(-1, self.num_kv_heads, self.head_dim)[slot]
         return k, v
 
-    def reference(self, sliding_window: int | None, soft_cap: float | None = None) -> torch.Tensor:
+    def reference(self, sliding_window: int | None, soft_cap: float | None = None,
+                  alibi: torch.Tensor | None = None) -> torch.Tensor:
         """Dense fp32 attention, K/V gathered from the cache (after the kernel stored them)."""
         qpk = self.num_heads // self.num_kv_heads
         out = torch.zeros(self.num_tokens, self.num_heads, self.head_dim)
@@ -186,6 +187,8 @@ class Case:
             visible = kpos <= qpos
             if sliding_window:
                 visible &= (qpos - kpos) < sliding_window
+            if alibi is not None:
+                scores = scores + alibi[:, None, None] * (kpos - qpos)
             scores = scores.masked_fill(~visible, float("-inf"))
             out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         return out
@@ -209,9 +212,10 @@ def _random_reqs(rng: random.Random, block_size: int, n: int, max_blocks: int) -
 
 
 def _run(case: Case, sliding_window: int | None = None, num_splits: int | None = None,
-         soft_cap: float | None = None) -> torch.Tensor:
+         soft_cap: float | None = None, alibi: torch.Tensor | None = None) -> torch.Tensor:
+    extra = {} if alibi is None else {"alibi_slopes": alibi.to(DEVICE)}
     impl = TritonAttentionBackend.make_impl(
-        case.num_heads, case.num_kv_heads, case.head_dim, case.scale, sliding_window, soft_cap
+        case.num_heads, case.num_kv_heads, case.head_dim, case.scale, sliding_window, soft_cap, **extra
     )
     impl.num_splits = num_splits
     out = impl.forward(case.query, case.key, case.value, case.kv_cache, case.metadata())
@@ -219,7 +223,8 @@ def _run(case: Case, sliding_window: int | None = None, num_splits: int | None =
     return out
 
 
-def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None, soft_cap: float | None = None) -> None:
+def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None, soft_cap: float | None = None,
+           alibi: torch.Tensor | None = None) -> None:
     n = case.num_tokens
     got = out[:n].float().cpu()
     assert torch.isfinite(got).all()
@@ -228,7 +233,7 @@ def _check(case: Case, out: torch.Tensor, sliding_window: int | None = None, sof
     for i in range(len(case.reqs)):
         k, v = case.gather_kv(i, cache)
         assert torch.equal(k, case.full_k[i]) and torch.equal(v, case.full_v[i])
-    ref = case.reference(sliding_window, soft_cap)
+    ref = case.reference(sliding_window, soft_cap, alibi)
     atol, rtol = TOL[case.dtype]
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
 
@@ -323,6 +328,18 @@ def test_logit_soft_cap(window, num_splits, dtype):
     case = case.to(DEVICE)
     _check(case, _run(case, sliding_window=window, num_splits=num_splits, soft_cap=2.0), window, soft_cap=2.0)
     assert (case.reference(window, 2.0) - case.reference(window)).abs().max() > 0.1  # (K/V now in the cache)
+
+
+@pytest.mark.parametrize("kv_heads,qpk,num_splits,dtype", [(1, 4, None, torch.float32), (2, 2, 2, torch.float32),
+                                                         (4, 1, None, torch.bfloat16)])
+def test_alibi(kv_heads, qpk, num_splits, dtype):
+    """ALiBi (Falcon): slope * (key - query position) added to the scaled scores, multi-query and
+    grouped heads, decodes (also split-KV) and chunks over a cached prefix."""
+    reqs = [(45, 1), (40, 13), (30, 30), (5, 2)] if num_splits is None else [(90, 1), (33, 1)]
+    case = Case(reqs, block_size=8, num_kv_heads=kv_heads, qpk=qpk, head_dim=64, dtype=dtype, seed=9).to(DEVICE)
+    slopes = torch.tensor([2.0 ** -(i + 1) for i in range(kv_heads * qpk)])
+    _check(case, _run(case, num_splits=num_splits, alibi=slopes), alibi=slopes)
+    assert (case.reference(None, None, slopes) - case.reference(None)).abs().max() > 0.1
 
 
 @pytest.mark.parametrize(
@@ -433,7 +450,7 @@ class Recorder:
 for name in ("_unified_attention_kernel", "_reduce_splits_kernel", "_reshape_and_cache_kernel"):
     setattr(ta, name, Recorder(getattr(ta, name)))
 
-def launch(reqs, dtype, qpk, head_dim, block_size, window=None, splits=None, kv_heads=2, soft_cap=None):
+def launch(reqs, dtype, qpk, head_dim, block_size, window=None, splits=None, kv_heads=2, soft_cap=None, alibi=False):
     # Shapes/dtypes exactly as the engine passes them; contents don't matter (nothing runs).
     seq = np.array([s for s, _ in reqs], dtype=np.int32)
     ql = np.array([q for _, q in reqs], dtype=np.int32)
@@ -449,7 +466,8 @@ def launch(reqs, dtype, qpk, head_dim, block_size, window=None, splits=None, kv_
     h = kv_heads * qpk
     qkv = torch.zeros(n, h + 2 * kv_heads, head_dim, dtype=dtype)
     cache = torch.zeros(2, nblk, block_size, kv_heads, head_dim, dtype=dtype)
-    impl = ta.TritonAttentionBackend.make_impl(h, kv_heads, head_dim, head_dim ** -0.5, window, soft_cap)
+    extra = {"alibi_slopes": torch.ones(h)} if alibi else {}
+    impl = ta.TritonAttentionBackend.make_impl(h, kv_heads, head_dim, head_dim ** -0.5, window, soft_cap, **extra)
     impl.num_splits = splits
     impl.forward(qkv[:, :h], qkv[:, h:h + kv_heads], qkv[:, h + kv_heads:], cache, md)
 
@@ -459,6 +477,7 @@ launch([(64, 64), (40, 13), (9, 1)], torch.float32, 1, 64, 32)            # pref
 launch([(50, 20), (7, 1)], torch.float16, 3, 80, 8)                       # odd group/head dim
 launch([(33, 1)], torch.bfloat16, 1, 64, 16, kv_heads=1)                   # num_reqs == 1, num_heads == 1 (int specialisation)
 launch([(64, 64), (40, 1)], torch.bfloat16, 2, 256, 16, window=32, soft_cap=50.0)  # Gemma 2: soft-cap + window
+launch([(64, 64), (40, 1)], torch.bfloat16, 8, 64, 16, kv_heads=1, alibi=True)  # Falcon-7B style: ALiBi, multi-query
 
 """ + COMPILE_RECORDED_CALLS
 
