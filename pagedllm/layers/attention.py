@@ -42,3 +42,10 @@ class Attention(nn.Module):
         # 8-bit caches only: backends without them keep the plain signature
         out = self.impl.forward(*args) if self.kv_scales is None else self.impl.forward(*args, kv_scales=self.kv_scales)
         return out.reshape(T, self.num_heads * self.head_dim)
+
+
+def split_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """A fused projection's output [T, (H + 2 Hkv) * D] -> q [T, H, D], k [T, Hkv, D], v [T, Hkv, D]."""
+    T = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.reshape(T, num_heads, head_dim), k.reshape(T, num_kv_heads, head_dim), v.reshape(T, num_kv_heads, head_dim)

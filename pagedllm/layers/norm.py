@@ -52,13 +52,46 @@ def _offset_loader(offset: float, param: torch.Tensor, loaded, shard_id=None) ->
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with weight and bias (GPT-2), computed as torch's layer_norm does."""
+    """LayerNorm with weight and bias (GPT-2), or weight only (``bias=False``: Cohere), computed as
+    torch's layer_norm does."""
 
-    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+    def __init__(self, hidden: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(hidden), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(hidden), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class HeadLayerNorm(nn.Module):
+    """A LayerNorm over head_dim with its own weights (and bias) per head, on [T, heads, head_dim]:
+    StableLM's and Cohere's q/k norms. Holds this rank's ``heads`` heads from ``first_head``; the
+    checkpoint gives either all heads' weights in one [heads, head_dim] tensor (Cohere) or one
+    tensor per head, loaded with the head index as shard id (StableLM's ``norms.<i>``)."""
+
+    def __init__(self, heads: int, head_dim: int, first_head: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.eps, self.first = eps, first_head
+        self.weight = nn.Parameter(torch.ones(heads, head_dim), requires_grad=False)
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+        self.bias = nn.Parameter(torch.zeros(heads, head_dim), requires_grad=False) if bias else None
+        if self.bias is not None:
+            self.bias.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded, shard_id=None) -> None:
+        n = param.shape[0]
+        if shard_id is None:  # every head's rows in one tensor
+            param.data.copy_(loaded.narrow(0, self.first, n))
+        elif self.first <= shard_id < self.first + n:  # one head's; other ranks' heads are skipped
+            param.data[shard_id - self.first].copy_(loaded.full() if hasattr(loaded, "full") else loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        var = (xf - mean).pow(2).mean(-1, keepdim=True)
+        y = (xf - mean) * torch.rsqrt(var + self.eps) * self.weight.float()
+        if self.bias is not None:
+            y = y + self.bias.float()
+        return y.to(x.dtype)

@@ -127,3 +127,17 @@ def apply_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k:
         kernels.rotary_inplace(k, cos2, sin2)
         return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_partial_rotary(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+    """Rotary over the first ``cos.shape[-1]`` dims of each head only (GPT-NeoX's ``rotary_pct``,
+    Phi's and StableLM's ``partial_rotary_factor``); the rest pass through. Whole heads: as
+    ``apply_rotary``."""
+    rot = cos_sin[0].shape[-1]
+    if rot == q.shape[-1]:
+        return apply_rotary(cos_sin, q, k)
+    cos, sin = cos_sin
+    q_rot, k_rot = q[..., :rot], k[..., :rot]
+    q_rot = q_rot * cos + _rotate_half(q_rot) * sin
+    k_rot = k_rot * cos + _rotate_half(k_rot) * sin
+    return torch.cat([q_rot, q[..., rot:]], dim=-1), torch.cat([k_rot, k[..., rot:]], dim=-1)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention import Attention, split_heads
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.norm import RMSNorm
@@ -58,16 +58,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, head_dim**-0.5, sliding_window)
 
     def forward(self, rope, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = k.reshape(T, self.num_kv_heads, self.head_dim)
+        q, k, v = split_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rotary(rope, q, k)
-        o = self.attn(q, k, v.reshape(T, self.num_kv_heads, self.head_dim))
-        return self.o_proj(o)
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):

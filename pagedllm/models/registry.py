@@ -1,13 +1,21 @@
 """Architecture name (config.architectures) -> model class."""
 from __future__ import annotations
 
+from pagedllm.models.cohere import CohereForCausalLM
 from pagedllm.models.gemma2 import Gemma2ForCausalLM
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
+from pagedllm.models.falcon import FalconForCausalLM
+from pagedllm.models.gpt_bigcode import GPTBigCodeForCausalLM
+from pagedllm.models.gpt_neox import GPTNeoXForCausalLM
+from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
+from pagedllm.models.phi import PhiForCausalLM
+from pagedllm.models.stablelm import StableLmForCausalLM
+from pagedllm.models.starcoder2 import Starcoder2ForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -25,6 +33,14 @@ MODEL_REGISTRY = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
 }
 
 

@@ -1,4 +1,5 @@
-"""Gemma 2, Gemma 3, Phi-3, OLMo 2 and GPT-2: greedy outputs token-identical to HF transformers
+"""Gemma 2, Gemma 3, Phi-3, OLMo 2, GPT-2 and issue 34's families (GPT-NeoX, Falcon in its three
+layouts incl. ALiBi, Phi, StableLM, Starcoder2, GPTBigCode, Granite, Cohere): greedy outputs token-identical to HF transformers
 (float32) on prompts longer than the sliding window, under chunked prefill, preemption, prefix
 caching and block sizes 1 and 16; sampled-token logprobs equal HF's log-softmax (which shows the
 soft-caps: a final logit cap never changes an argmax)."""
@@ -12,7 +13,9 @@ from prompts import random_prompts
 from dense_checkpoints import WINDOW, make_dense_checkpoint
 from pagedllm import LLM, SamplingParams
 
-FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "gpt2")
+FAMILIES = ("gemma2", "gemma3", "phi3", "olmo2", "gpt2", "gpt_neox", "falcon", "falcon_mqa", "falcon_alibi", "phi",
+            "stablelm", "starcoder2", "gpt_bigcode", "granite", "cohere")
+WINDOWED = ("phi3", "starcoder2")  # a sliding window on every layer
 NEW = 16
 
 
@@ -28,7 +31,9 @@ def reference(path: str):
     """HF greedy continuations, and the log-softmax rows over prompt + continuation."""
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Falcon's ALiBi: HF's SDPA path (its eager path adds the bias twice in current transformers)
+    kw = {"attn_implementation": "sdpa"} if path.endswith("alibi") else {}
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw).eval()
     outs, rows = [], []
     with torch.no_grad():
         for p in prompts():
@@ -69,9 +74,9 @@ def test_block16_chunked_prefill_preemption_prefix_caching(ckpts, family):
     (preemption), prefix caching on; then the same prompts again (prefix-cache hits)."""
     path = ckpts[family]
     # 12 blocks: the longest request (100 + 16 tokens = 8 blocks) fits alone, not the five together.
-    # Phi-3 windows every layer, so a request holds at most window + chunk: 6 blocks make it preempt.
+    # Phi-3 and Starcoder2 window every layer, so a request holds at most window + chunk: 6 blocks make it preempt.
     llm, outs = generate(path, block_size=16, max_num_batched_tokens=24, enable_prefix_caching=True,
-                         num_gpu_blocks_override=6 if family == "phi3" else 12, max_model_len=160)
+                         num_gpu_blocks_override=6 if family in WINDOWED else 12, max_model_len=160)
     check(outs, reference(path))
     stats = llm.get_stats()
     assert stats.num_preemptions > 0
