@@ -135,6 +135,9 @@ class EngineConfig:
     max_lora_rank: int = 16  # the largest adapter rank accepted (slots are sized for it)
     max_cpu_loras: Optional[int] = None  # adapters kept read in host memory per worker (default max_loras)
     max_loras_per_step: Optional[int] = None  # most distinct adapters in one step (default max_loras)
+    # "pooling": embeddings / scores / rerank (worker/pooling_runner.py) instead of generation;
+    # "auto": pooling for encoder and classifier architectures (BertModel, ...), else generate
+    runner: str = "auto"
 
     def _check_pipeline_parallel(self) -> None:
         pp = self.pipeline_parallel_size
@@ -215,6 +218,8 @@ class EngineConfig:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 512:

@@ -39,3 +39,44 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+# ---- the pooling runner's results (LLM.embed / score / encode / classify) ----
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class PoolingOutput:
+    data: "torch.Tensor"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One input's result; ``outputs`` one of the output types above."""
+
+    request_id: str
+    outputs: object
+    prompt_token_ids: list[int]
+    finished: bool = True

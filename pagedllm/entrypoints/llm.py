@@ -1,4 +1,5 @@
-"""The offline API: ``LLM.generate`` and ``LLM.chat``."""
+"""The offline API: ``LLM.generate`` and ``LLM.chat``; with the pooling runner ``LLM.embed``,
+``LLM.score``, ``LLM.encode`` and ``LLM.classify`` (entrypoints/pooling_api.py)."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
@@ -6,12 +7,14 @@ from typing import Any, Optional, Sequence, Union
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
 from pagedllm.engine.llm_engine import OUTPUT_FINAL, LLMEngine
+from pagedllm.engine.pooling_engine import PoolingEngine, wants_pooling
+from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.tokenizer import apply_chat_template
 
 
-class LLM:
+class LLM(PoolingAPI):
     """Offline batched generation over the paged, continuously batched engine.
 
     >>> llm = LLM(model="path/to/checkpoint")            # doctest: +SKIP
@@ -26,10 +29,21 @@ class LLM:
             kwargs["kv_cache_memory"] = int(kwargs.pop("kv_cache_space") * 1024**3)
         config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
         self.config = config
+        self.pooling = None  # runner="pooling" (or an encoder architecture): embed / score / encode / classify
+        if wants_pooling(config):
+            self.pooling = PoolingEngine(config)
+            self.engine = None
+            return
         self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init, multiprocess=engine_core_process)
 
+    def _generating(self) -> LLMEngine:
+        if self.engine is None:
+            raise ValueError("this LLM runs a pooling model (runner='pooling'): use embed / score / encode / classify, "
+                             "not generation")
+        return self.engine
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return self.engine.tokenizer if self.engine is not None else self.pooling.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config.json recommendations (temperature,
@@ -48,6 +62,7 @@ class LLM:
         lora_request=None,
     ) -> list[RequestOutput]:
         """``lora_request``: a LoRARequest for every prompt, or a list with one (or None) per prompt."""
+        self._generating()
         if prompts is None and prompt_token_ids is None:
             raise ValueError("pass prompts or prompt_token_ids")
         if prompts is not None and prompt_token_ids is not None:
@@ -117,7 +132,7 @@ class LLM:
 
     def _run(self, items: list[Any], params: list[SamplingParams], use_tqdm: bool,
              lora_request=None) -> list[RequestOutput]:
-        engine = self.engine
+        engine = self._generating()
         loras = self._expand_loras(lora_request, len(items))
         # Validate everything before anything is queued: one bad prompt fails the call cleanly.
         items = self._process_prompts(items, params)

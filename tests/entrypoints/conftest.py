@@ -80,6 +80,17 @@ def wait_idle(engine, timeout: float = 20.0) -> None:
     raise AssertionError(f"engine not idle: pending={engine.num_unfinished()} stats={s}")
 
 
+def wait_ready(live: LiveServer, handlers: str = "serving", timeout: float = 120) -> LiveServer:
+    """Until the app's loader thread has built the engine (``state.serving``, or ``state.pooling``
+    for a pooling model); a load error fails at once."""
+    deadline = time.monotonic() + timeout
+    while getattr(live.state, handlers) is None:
+        assert live.state.load_error is None, live.state.load_error
+        assert time.monotonic() < deadline, "engine did not load"
+        time.sleep(0.05)
+    return live
+
+
 @pytest.fixture(scope="session")
 def server(llama_ckpt):
     """The shared server: engine built by the app's loader thread from an EngineConfig."""
@@ -87,12 +98,7 @@ def server(llama_ckpt):
     from pagedllm.entrypoints.openai.api_server import build_app
 
     app = build_app(EngineConfig(model=llama_ckpt, served_model_name="tiny", **ENGINE_KW))
-    live = LiveServer(app)
-    deadline = time.monotonic() + 120
-    while live.state.serving is None:
-        assert live.state.load_error is None, live.state.load_error
-        assert time.monotonic() < deadline, "engine did not load"
-        time.sleep(0.05)
+    live = wait_ready(LiveServer(app))
     yield live
     live.stop()
 

@@ -47,6 +47,7 @@ from pagedllm.entrypoints.openai.responses import ServingResponses
 from pagedllm.entrypoints.openai.responses_protocol import DeletedResponse, InputItemList, ResponsesRequest
 from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from pagedllm.entrypoints.openai.middleware import InternalErrors, RequestGuard, error_response, h11_protocol, json_response
+from pagedllm.entrypoints.openai.pooling_routes import add_pooling_routes
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
 from pagedllm.version import __version__
 
@@ -91,6 +92,7 @@ class ServerState:
         self.draining = False
         self.template_sandbox = None
         self.serving: Optional[OpenAIServing] = None
+        self.pooling = None  # a PoolingServing when the model runs the pooling runner (no generation then)
         self.load_error: Optional[BaseException] = None
         self.on_load_error: Optional[Callable[[BaseException], None]] = None
         self._loader: Optional[threading.Thread] = None
@@ -114,6 +116,15 @@ class ServerState:
             self._loader.start()
 
     def _load(self) -> None:
+        from pagedllm.engine.pooling_engine import wants_pooling
+
+        try:
+            if wants_pooling(self.config):
+                self._load_pooling()
+                return
+        except BaseException as e:
+            self._failed(e)
+            return
         try:
             from pagedllm.engine.async_llm import AsyncLLM
 
@@ -124,18 +135,51 @@ class ServerState:
                 engine.shutdown()
                 raise
         except BaseException as e:
-            # One line an operator can act on; the traceback only with --log-level debug.
-            detail = str(e) if isinstance(e, (ValueError, OSError)) and str(e) else f"{type(e).__name__}: {e}"
-            logger.error("the engine failed to start: %s", detail, exc_info=logger.isEnabledFor(logging.DEBUG))
-            self.load_error = e
-            if self.on_load_error is not None:
-                self.on_load_error(e)
+            self._failed(e)
             return
         with self._lock:
             if not self._closed:
                 self._ready(engine)
                 return
         engine.shutdown()  # the server stopped while the engine was loading
+
+    def _failed(self, e: BaseException) -> None:
+        # One line an operator can act on; the traceback only with --log-level debug.
+        detail = str(e) if isinstance(e, (ValueError, OSError)) and str(e) else f"{type(e).__name__}: {e}"
+        logger.error("the engine failed to start: %s", detail, exc_info=logger.isEnabledFor(logging.DEBUG))
+        self.load_error = e
+        if self.on_load_error is not None:
+            self.on_load_error(e)
+
+    def _load_pooling(self) -> None:
+        """The pooling engine (its own, no AsyncLLM): /v1/embeddings, /pooling, /score, /rerank."""
+        from pagedllm.engine.pooling_engine import PoolingEngine
+        from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
+
+        engine = PoolingEngine(self.config)
+        with self._lock:
+            if self._closed:
+                return
+            self.pooling = PoolingServing(engine, self.served_model_names)
+            self.max_body_size = self.args.max_request_body_size or default_max_body_size(
+                16 * engine.max_model_len * self.config.max_num_seqs, engine.max_model_len)
+            self.ready_seconds = time.monotonic() - self.started
+        logger.info("pooling engine ready after %.2f s: model %s (%s), max_model_len %d", self.ready_seconds,
+                    self.served_model_names[0], engine.runner.arch, engine.max_model_len)
+
+    def require_pooling(self):
+        """The pooling handlers, or the error saying why not (loading, draining, a generative model)."""
+        if self.pooling is not None and not self.draining:
+            return self.pooling
+        if self.serving is not None and not self.draining:
+            raise APIError(400, "this server runs a generative model; embeddings, scores and rerank need a pooling "
+                           "model (start the server with --runner pooling)", code="unsupported_task")
+        return self.require()
+
+    def require_up(self) -> None:
+        """/health and /ping: ready to serve (generation or pooling)."""
+        if self.pooling is None or self.draining:
+            self.require()
 
     def _ready(self, engine) -> None:
         self.metrics.attach(engine)
@@ -167,6 +211,9 @@ class ServerState:
     def require(self) -> OpenAIServing:
         if self.draining:
             raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
+        if self.pooling is not None:
+            raise APIError(400, "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
+                           "/pooling, /score and /rerank, not generation", code="unsupported_task")
         if self.serving is None:
             if self.load_error is not None:
                 raise APIError(503, f"the engine failed to start: {self.load_error!r}", code="engine_dead")
@@ -413,12 +460,12 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
-        state.require()
+        state.require_up()
         return Response(status_code=200)
 
     @app.api_route("/ping", methods=["GET", "HEAD"])
     async def ping():
-        state.require()
+        state.require_up()
         return Response(status_code=200)
 
     @app.get("/version")
@@ -439,6 +486,8 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         from pagedllm.entrypoints.openai.dashboard import add_dashboard_routes
 
         add_dashboard_routes(app, state)
+
+    add_pooling_routes(app, state)
 
     @app.get("/metrics")
     async def metrics():

@@ -1,0 +1,111 @@
+"""Request and response bodies of the pooling routes, in vLLM's shapes: /v1/embeddings (OpenAI),
+/pooling, /score, /rerank and /v1/rerank (Jina / Cohere). Unknown fields are refused (400)."""
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, Field
+
+from pagedllm.entrypoints.openai.protocol import UsageInfo, _Request
+
+# a string, strings, token ids, or lists of token ids
+EmbeddingInput = Union[str, list[str], list[int], list[list[int]]]
+
+
+class EmbeddingRequest(_Request):
+    input: EmbeddingInput
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+
+
+class PoolingRequest(_Request):
+    input: EmbeddingInput
+    model: Optional[str] = None
+    encoding_format: Literal["float", "base64"] = "float"
+    task: Optional[Literal["embed", "token_embed", "classify"]] = None
+    dimensions: Optional[int] = None
+    user: Optional[str] = None
+
+
+class ScoreRequest(_Request):
+    text_1: Union[str, list[str]]
+    text_2: Union[str, list[str]]
+    model: Optional[str] = None
+    user: Optional[str] = None
+
+
+class RerankRequest(_Request):
+    query: str
+    documents: list[str]
+    model: Optional[str] = None
+    top_n: Optional[int] = Field(default=None, ge=0)
+    return_documents: bool = True
+    user: Optional[str] = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: str = "embedding"
+    embedding: Union[list[float], str]
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: str = "pooling"
+    data: Union[list[float], list[list[float]], str]
+
+
+class PoolingResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[PoolingData]
+    usage: UsageInfo
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: str = "score"
+    score: float
+
+
+class ScoreResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: UsageInfo
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    document: Optional[RerankDocument] = None
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
