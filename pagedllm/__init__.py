@@ -5,7 +5,9 @@ Heavy modules (torch, transformers) load lazily so ``pagedllm serve`` starts fas
 from __future__ import annotations
 
 from pagedllm.version import __version__  # noqa: F401  (the package version)
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           # vLLM's public names (vllm/__init__.py) that pagedllm implements, under the same paths
+           "AsyncLLMEngine", "LLMEngine", "BeamSearchParams", "TextPrompt", "TokensPrompt", "PromptType"]
 
 
 def __getattr__(name: str):
@@ -29,6 +31,20 @@ def __getattr__(name: str):
         from pagedllm import outputs
 
         return getattr(outputs, name)
+    if name == "AsyncLLMEngine":  # vLLM v1's name for its AsyncLLM
+        return __getattr__("AsyncLLM")
+    if name == "LLMEngine":
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name == "BeamSearchParams":
+        from pagedllm.sampling_params import BeamSearchParams
+
+        return BeamSearchParams
+    if name in ("TextPrompt", "TokensPrompt", "PromptType"):
+        from pagedllm import inputs
+
+        return getattr(inputs, name)
     if name == "EngineConfig":
         from pagedllm.config import EngineConfig
 

@@ -30,7 +30,7 @@ RANKS = [
     ["attention", "sample"],
     ["kernels", "distributed", "tokenizer", "metrics"],
     ["core"],
-    ["config", "sampling_params", "outputs"],
+    ["config", "sampling_params", "outputs", "inputs"],
     ["envs", "version"],
 ]
 RANK = {room: len(RANKS) - i for i, rooms in enumerate(RANKS) for room in rooms}

@@ -9,7 +9,6 @@ tokenizer), and turns the finished hypotheses into one RequestOutput whose ``out
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -18,63 +17,7 @@ from pagedllm.core.beam_group import BeamGroup
 from pagedllm.core.contracts import BeamHypothesis, EngineCoreOutput
 from pagedllm.core.engine_request import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedllm.sampling_params import SamplingParams
-
-
-@dataclass
-class BeamSearchParams:
-    """vLLM's fields (beam_width, max_tokens, ignore_eos, temperature, length_penalty,
-    include_stop_str_in_output) plus HF's ``early_stopping`` (True, False or "never"), ``stop``
-    strings, ``stop_token_ids`` and ``logprobs`` (top-n per generated token). Scores follow HF
-    transformers: cumulative logprob / generated_tokens ** length_penalty."""
-
-    beam_width: int
-    max_tokens: int
-    ignore_eos: bool = False
-    temperature: float = 0.0
-    length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
-    early_stopping: Union[bool, str] = False
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
-    logprobs: Optional[int] = None
-    skip_special_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        def is_int(v) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not is_int(self.beam_width) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature != 0.0:
-            raise ValueError(f"temperature must be 0 for beam search (it is deterministic, as HF's "
-                             f"do_sample=False), got {self.temperature!r}")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
-                or not math.isfinite(self.length_penalty):  # any finite value scores (in log space)
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
-        if self.early_stopping not in (True, False, "never") or (
-                self.early_stopping in (0, 1) and not isinstance(self.early_stopping, bool)):
-            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
-        # the remaining fields are checked as SamplingParams (ValueError naming the field)
-        self.to_sampling_params()
-
-    @property
-    def structured_outputs(self) -> None:
-        """Beam search takes no output constraint (the server refuses one)."""
-        return None
-
-    @property
-    def n(self) -> int:
-        """Sequences it runs at once (each beam counts toward max_n and admission limits)."""
-        return self.beam_width
-
-    def to_sampling_params(self) -> SamplingParams:
-        return SamplingParams(n=1, temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                              stop=self.stop, stop_token_ids=self.stop_token_ids, logprobs=self.logprobs,
-                              include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens)
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams  # noqa: F401  (BeamSearchParams: re-exported)
 
 
 @dataclass
