@@ -227,6 +227,10 @@ inline void micro256(const float* a, int64_t lda, const W* b, int64_t kc, float*
 #endif
 
 // A float32 block of y for one task, reused by the thread's later tasks and calls (it only grows).
+// Below this many multiply-adds (M x N x K units) a product runs on one thread: a few
+// microseconds of work, less than a fork and join costs where a thread sleeps or is descheduled.
+constexpr int64_t kParallelWork = 1 << 16;
+
 inline float* task_buffer(int64_t n) {
   static thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
@@ -243,10 +247,13 @@ template <typename Tile, typename Finish>
 void drive(int64_t M, int64_t N, int64_t panels, int64_t ku, float* y, const Tile& tile, const Finish& finish) {
   // Work is handed out dynamically: a thread that enters the parallel region late (woken from
   // sleep after Python ran between two products) takes less of it instead of everyone waiting.
+  // A small product runs on the calling thread alone: no fork, no barrier to wait at for a
+  // partner that is asleep or descheduled on a busy host (issue 30).
+  const bool parallel = M * N * ku >= kParallelWork;
   if (M <= kMc) {
     // Decode-sized: x stays in L2 and each panel is read from memory once, front to back.
     const int64_t groups = (panels + kGroup - 1) / kGroup;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t pb = g * kGroup, pe = std::min(panels, pb + kGroup);
       const int64_t ldc = y != nullptr ? N : kGroup * kPanel;
@@ -266,7 +273,7 @@ void drive(int64_t M, int64_t N, int64_t panels, int64_t ku, float* y, const Til
     const int64_t nchunks = (panels + kNc - 1) / kNc;
     const int64_t chunk = ((panels + nchunks - 1) / nchunks + kNP - 1) / kNP * kNP;  // even chunks
     const int64_t nc = (panels + chunk - 1) / chunk, nm = (M + kMc - 1) / kMc;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) if (parallel)
     for (int64_t t = 0; t < nc * nm; ++t) {
       const int64_t pb = (t / nm) * chunk, pe = std::min(panels, pb + chunk);
       const int64_t m0 = (t % nm) * kMc, rows = std::min(kMc, M - m0);

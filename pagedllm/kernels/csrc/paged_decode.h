@@ -392,7 +392,11 @@ void run(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache, torch:
   // Whole sequences per task when they alone keep the threads busy, else one kv head each.
   const int64_t nkv = B >= 2 * omp_get_max_threads() ? Hkv : 1;
   const int64_t splits = Hkv / nkv;
-#pragma omp parallel
+  // A few cached tokens in all (short contexts, small batches): the calling thread alone, no
+  // fork and no barrier to wait at (issue 30).
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < B; ++b) tokens += sl[b];
+#pragma omp parallel if (tokens * H * D >= (1 << 16))
   {
     std::vector<float> qs(nkv * G * D), acc(nkv * G * D), l(nkv * G), work;
 #pragma omp for schedule(dynamic, 1)
