@@ -138,6 +138,19 @@ class EngineConfig:
     # "pooling": embeddings / scores / rerank (worker/pooling_runner.py) instead of generation;
     # "auto": pooling for encoder and classifier architectures (BertModel, ...), else generate
     runner: str = "auto"
+    max_registered_loras: int = 1024  # adapter names the engine knows at once (loaded at run time or named)
+    # What one output constraint may cost (structured_output/limits.py): over a limit is a 400 naming it
+    structured_max_bytes: int = 64 << 10  # a constraint's text (JSON schema, regex, grammar, all choices)
+    structured_max_depth: int = 64  # nesting of a JSON schema's objects and arrays
+    structured_max_alternatives: int = 1024  # entries of one enum / anyOf / oneOf, or choices
+    structured_compile_workers: int = 2  # grammar compile threads (a pool of their own)
+    structured_max_queued_compiles: int = 16  # compiles waiting beyond the workers (more: 429)
+    structured_compile_timeout: float = 10.0  # seconds a request waits for its compile (408 past it)
+    structured_cache_bytes: int = 256 << 20  # compiled grammars kept, by their memory_size_bytes
+    max_tools: int = 128  # tools one chat request may carry (OpenAI's limit)
+    # logprob entries (token x top-N alternatives, over n choices and prompts) one response may carry:
+    # prompt_logprobs x n, echo x logprobs x prompt length, logprobs x max_tokens x n (more: 400)
+    max_logprob_entries: int = 500_000
 
     def _check_pipeline_parallel(self) -> None:
         pp = self.pipeline_parallel_size
@@ -220,6 +233,15 @@ class EngineConfig:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        for name in ("structured_max_bytes", "structured_max_depth", "structured_max_alternatives",
+                     "structured_compile_workers", "max_tools", "max_logprob_entries", "max_registered_loras"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.structured_max_queued_compiles < 0 or self.structured_cache_bytes < 0:
+            raise ValueError("structured_max_queued_compiles and structured_cache_bytes must be >= 0")
+        if not 0 < self.structured_compile_timeout < float("inf"):
+            raise ValueError(f"structured_compile_timeout must be a positive number of seconds, got "
+                             f"{self.structured_compile_timeout}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if not 1 <= self.max_lora_rank <= 512:

@@ -10,6 +10,22 @@ _GREEDY_EPS = 1e-5
 _CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
+def token_id_key(key) -> int:
+    """A logit_bias key: an int, or its decimal digits as text ("50"). Python's int() also takes
+    "5_0", " 50", "+50" and non-ASCII digits; a token id written so is refused, not guessed."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit():
+        return int(key)
+    raise ValueError(f"logit_bias keys must be token ids (decimal digits), got {key!r}")
+
+
+def _bias_value(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"logit_bias values must be numbers, got {v!r}")
+    return float(v)
+
+
 @dataclass
 class StructuredOutputsParams:
     """One output constraint (vLLM's shape): ``json`` (a JSON schema, as a dict or its JSON
@@ -105,7 +121,9 @@ class SamplingParams:
         if self.top_k is None or self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias, got {type(self.logit_bias).__name__}")
+            self.logit_bias = {token_id_key(k): _bias_value(v) for k, v in self.logit_bias.items()}
         if self.guided_decoding is not None:
             if self.structured_outputs is not None and self.structured_outputs is not self.guided_decoding:
                 raise ValueError("structured_outputs and guided_decoding (its older name) are both set: pass one")

@@ -32,6 +32,15 @@ from pagedllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+def sequences_of(params) -> int:
+    """Sequences a request runs at once: n, best_of when larger, a beam search's width."""
+    return max(params.n, getattr(params, "best_of", None) or 0)
+
+
+# What a client is told: the cause (paths, ports, exception text) is in the server log only.
+DEAD_MESSAGE = "the engine has stopped after an internal failure (the server log has the cause); restart the server"
+
+
 class QueueFullError(RuntimeError):
     """Too many sequences are waiting; the caller should retry later (HTTP 429 + Retry-After)."""
 
@@ -96,14 +105,15 @@ class AsyncLLM:
         """Yields delta RequestOutputs; the last one has ``finished=True``. ``lora_request``: the
         LoRA adapter to run with (None: the base model)."""
         if not self.is_running:
-            raise EngineDeadError(f"the engine is not running: {self.dead_error!r}")
+            raise EngineDeadError(DEAD_MESSAGE)
         if params.n > self.config.max_n:
             raise ValueError(f"n must be at most {self.config.max_n} (the server's --max-n), got {params.n}")
         # Capacity in flight = max_num_seqs running + max_waiting_requests queued, in sequences
         # (a request with n=8 is 8). Counted on this side (not from the engine's last stats
         # snapshot) so a burst is judged exactly.
         capacity = self.max_pending_seqs
-        seqs = max(params.n, getattr(params, "best_of", None) or 0)  # best_of > n runs best_of sequences
+        seqs = sequences_of(params)
+        self.check_can_fit(seqs)
         if self._num_pending + seqs > capacity:
             raise QueueFullError(
                 f"the server is overloaded: {self._num_pending} sequences in flight and this request adds "
@@ -133,6 +143,13 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
+    def check_can_fit(self, seqs: int) -> None:
+        """A request of ``seqs`` sequences (all its prompts) that could not fit even an idle
+        server is the client's error (HTTP 400), never an overload to retry (429)."""
+        if seqs > self.max_pending_seqs:
+            raise ValueError(f"n (x best_of, beam width, prompts) asks for {seqs} sequences at once; this server "
+                             f"can never hold more than max_num_seqs + max_waiting_requests = {self.max_pending_seqs}")
+
     def _count(self, request_id: str, n: int) -> None:
         with self._pending_lock:
             self._pending_seqs[request_id] = n
@@ -156,6 +173,10 @@ class AsyncLLM:
     def core_snapshot(self) -> dict:
         """The core's running and waiting requests and KV block map (EngineCore.snapshot); blocking."""
         return self.engine.client.snapshot()
+
+    def compile_structured_outputs(self, params):
+        """The compile of the request's constraint, on the compile pool (a Future; None without one)."""
+        return self.engine.input_processor.compile_structured_outputs(params)
 
     def check_structured_outputs(self, params) -> None:
         """Compile a request's output constraint (ValueError naming the field); blocking."""
@@ -253,5 +274,5 @@ class AsyncLLM:
             logger.exception("engine loop died")
             self.dead_error = e
             for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"engine failed: {e!r}"))
+                stream.put(EngineDeadError(DEAD_MESSAGE))
             self._streams.clear()

@@ -120,15 +120,27 @@ class InputProcessor:
 
     def check_structured_outputs(self, params) -> None:
         """Compile ``params.structured_outputs`` now: ValueError naming the field when it does not
-        compile or xgrammar is missing."""
+        compile or xgrammar is missing (CompileTimeoutError past structured_compile_timeout)."""
+        spec = self._structured_spec(params)
+        if spec is not None:
+            self.structured.validate(spec)
+
+    def compile_structured_outputs(self, params):
+        """Start compiling ``params.structured_outputs`` on the compile pool: the caller's Future
+        (cancel it to withdraw), or None when there is no constraint. ValueError at once for a bad
+        or over-limit constraint, CompilePoolFullError when the pool is full."""
+        spec = self._structured_spec(params)
+        return self.structured.submit(spec) if spec is not None else None
+
+    def _structured_spec(self, params):
         spec = getattr(params, "structured_outputs", None)  # BeamSearchParams has the property too
         if spec is None:
-            return
+            return None
         if self.structured is None:
             raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
         if self.limits is not None and self.limits.speculative:  # the mask covers one token a step
             raise ValueError("structured_outputs cannot be combined with speculative decoding on this engine yet")
-        self.structured.validate(spec)
+        return spec
 
     # ---- whole requests ---------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams,

@@ -53,7 +53,7 @@ class LLMEngine:
         if config.enable_lora:
             from pagedllm.lora.registry import LoRARegistry
 
-            self.lora_registry = LoRARegistry(hf_config, config.max_lora_rank)
+            self.lora_registry = LoRARegistry(hf_config, config.max_lora_rank, config.max_registered_loras)
         self.client: EngineCoreClient = make_engine_core_client(config, hf_config, self.tokenizer, self.eos_token_ids,
                                                                 skip_tokenizer_init, multiprocess, executor_factory)
         limits = self.client.limits
@@ -76,9 +76,11 @@ class LLMEngine:
             return None
         if self.client.in_process:
             return self.client.core.structured.manager
+        from pagedllm.structured_output.limits import CompileLimits
         from pagedllm.structured_output.manager import StructuredOutputManager
 
-        return StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids)
+        return StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
+                                       CompileLimits.from_config(self.config))
 
     @property
     def core(self):

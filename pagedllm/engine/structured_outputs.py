@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Optional
 
@@ -24,16 +25,20 @@ logger = logging.getLogger(__name__)
 class StructuredOutputs:
     def __init__(self, manager: StructuredOutputManager) -> None:
         self.manager = manager
-        self.compiling: dict[str, tuple[Request, Future]] = {}
+        self.compiling: dict[str, tuple[Request, Future, float]] = {}  # request, compile, since
 
     def add(self, request: Request) -> None:
-        self.compiling[request.request_id] = (request, self.manager.submit(request.sampling_params.structured_outputs))
+        fut = self.manager.submit(request.sampling_params.structured_outputs)
+        self.compiling[request.request_id] = (request, fut, time.monotonic())
 
     def abort(self, request_ids) -> list[str]:
-        """Forget these requests; the ids that were still compiling (unknown to the scheduler)."""
+        """Forget these requests (their compiles withdrawn); the ids that were still compiling
+        (unknown to the scheduler)."""
         dropped = []
         for rid in request_ids:
-            if self.compiling.pop(rid, None) is not None:
+            entry = self.compiling.pop(rid, None)
+            if entry is not None:
+                entry[1].cancel()
                 dropped.append(rid)
             self.manager.remove(rid)
         return dropped
@@ -44,9 +49,16 @@ class StructuredOutputs:
         if not self.compiling:
             return []
         if idle:
-            wait([f for _, f in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            wait([e[1] for e in self.compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
         outputs = []
-        for rid, (req, fut) in list(self.compiling.items()):
+        now = time.monotonic()
+        for rid, (req, fut, since) in list(self.compiling.items()):
+            if not fut.done() and now - since > self.manager.limits.timeout:  # waited long enough
+                del self.compiling[rid]
+                fut.cancel()
+                logger.error("request %s: %s", rid, self.manager.timeout_error(req.sampling_params.structured_outputs))
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="error"))
+                continue
             if not fut.done():
                 continue
             del self.compiling[rid]

@@ -112,8 +112,8 @@ def read_adapter_config(path: str, max_lora_rank: int) -> AdapterConfig:
         raise ValueError(f"{where}: rank r={r} is above max_lora_rank={max_lora_rank} (start the engine with "
                          f"max_lora_rank >= {r})")
     alpha = raw.get("lora_alpha", r)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
     if raw.get("modules_to_save"):
         raise ValueError(f"{where}: modules_to_save {raw['modules_to_save']!r} is not supported (fully trained "
                          "copies of modules cannot be served beside the shared base weights)")
@@ -179,8 +179,12 @@ def load_adapter(path: str, layout: ModelLoRALayout, max_lora_rank: int,
                              f"{tuple(b.shape)}; the base model needs ({config.rank}, {fan_in}) and "
                              f"({fan_out}, {config.rank}) for rank {config.rank}")
         out_dtype = dtype or a.dtype
-        tensors[(layer, target)] = (a.to(out_dtype).contiguous(),
-                                    (b.float() * config.scaling).to(out_dtype).contiguous())
+        a, b = a.to(out_dtype).contiguous(), (b.float() * config.scaling).to(out_dtype).contiguous()
+        for name, t in (("lora_A", a), ("lora_B x scaling", b)):  # NaN/inf would silently spoil every output
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{where}: layer {layer} {target} {name} holds non-finite values (NaN or inf) "
+                                 f"in {out_dtype}")
+        tensors[(layer, target)] = (a, b)
     found = tuple(sorted({t for _, t in tensors}, key=TARGETS.index))
     if config.targets and not set(found) <= set(config.targets):
         raise ValueError(f"{where}: weights target {list(found)} but target_modules is {list(config.targets)}")

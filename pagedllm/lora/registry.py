@@ -12,9 +12,10 @@ from pagedllm.lora.request import LoRARequest
 
 
 class LoRARegistry:
-    def __init__(self, hf_config, max_lora_rank: int) -> None:
+    def __init__(self, hf_config, max_lora_rank: int, max_adapters: int = 1024) -> None:
         self.layout = ModelLoRALayout.from_hf_config(hf_config)  # raises for models LoRA does not support
         self.max_lora_rank = max_lora_rank
+        self.max_adapters = max_adapters  # names known at once (each holds a checked path and a hash)
         self._known: dict[str, tuple[LoRARequest, LoRAHandle]] = {}
         self._lock = threading.Lock()  # the server's load endpoint vs the engine thread
 
@@ -32,10 +33,17 @@ class LoRARegistry:
             known = self._known.get(getattr(request, "lora_name", None))
         if known is not None and known[0].lora_path == request.lora_path:
             return known[1]
+        self._check_room(request.lora_name)
         handle = self.check(request)
         with self._lock:
+            self._check_room(request.lora_name)
             self._known[request.lora_name] = (request, handle)
         return handle
+
+    def _check_room(self, name: str) -> None:
+        if name not in self._known and len(self._known) >= self.max_adapters:
+            raise ValueError(f"the engine already knows {len(self._known)} LoRA adapters, the limit "
+                             f"(max_registered_loras = {self.max_adapters}); unload one first")
 
     def add(self, request: LoRARequest) -> LoRAHandle:
         """Register a new name (ValueError if the name is taken)."""

@@ -1,8 +1,11 @@
 """LoRARequest: which adapter a request runs with (vLLM's shape)."""
 from __future__ import annotations
 
+import unicodedata
 from dataclasses import dataclass
 from typing import Optional
+
+MAX_LORA_NAME_CHARS = 256  # a name is a model name in the API, a log field and a metrics label
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,11 @@ class LoRARequest:
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise ValueError("lora_name must be a non-empty string")
+        if len(self.lora_name) > MAX_LORA_NAME_CHARS:
+            raise ValueError(f"lora_name is {len(self.lora_name)} characters, over the limit of {MAX_LORA_NAME_CHARS}")
+        if any(unicodedata.category(c)[0] in "CZ" and c != " " for c in self.lora_name):
+            raise ValueError(f"lora_name must not hold control, format or separator characters (a newline, a tab, "
+                             f"...), got {self.lora_name!r}")
         if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 1:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:

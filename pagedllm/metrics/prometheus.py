@@ -66,6 +66,8 @@ class PrometheusMetrics:
                                     "output (detokenize, stop strings, results).", ["model_name", "phase"],
                                     buckets=_PHASE_BUCKETS, registry=r)
         self._phases = {p: self.step_phase.labels(model_name, p) for p in _PHASES}
+        self.engine_dead = gauge(f"{prefix}:engine_dead", "1 once the engine has stopped after a failure "
+                                                           "(every request then fails; the other figures are frozen).")
         self._lock = threading.Lock()
         self._last = None  # previous SchedulerStats, for counter deltas
         self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
@@ -188,10 +190,11 @@ class PrometheusMetrics:
             self.tpot.observe(max(0.0, (last - first) / (per_seq - 1)))
 
     # ---- export -----------------------------------------------------------------------------
-    def render(self, stats=None) -> tuple[bytes, str]:
+    def render(self, stats=None, engine_dead: bool = False) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         self.update_stats(stats)
+        self.engine_dead.set(1 if engine_dead else 0)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -2,7 +2,7 @@
 
 ``GrammarBackend`` turns a StructuredOutputsParams into an xgrammar CompiledGrammar, keyed by
 the constraint's text (``spec_key``) so one schema sent by a thousand requests is compiled
-once. The tokenizer info (each token's bytes, the vocabulary type, the stop tokens) is built
+once; the cache is bounded in bytes (each grammar's ``memory_size_bytes``), not only entries. The tokenizer info (each token's bytes, the vocabulary type, the stop tokens) is built
 once, for the model's logits width: ids the tokenizer does not know (a vocabulary padded to a
 multiple of 64, say) are never allowed by a mask.
 
@@ -62,6 +62,12 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     return kind, getattr(spec, kind)
 
 
+def _size_of(compiled) -> int:
+    """A compiled grammar's memory (xgrammar's own count: its token-mask cache and grammar),
+    which tracks the process's RSS growth per compile within a factor of ~2 (docs/benchmarks.md)."""
+    return int(getattr(compiled, "memory_size_bytes", 0) or 0)
+
+
 def _choice_grammar(choices: list[str]) -> str:
     """EBNF ``root ::= "a" | "b"`` with each choice as an escaped literal (JSON's escapes are
     the EBNF parser's: \\", \\\\, \\n, \\uXXXX)."""
@@ -76,12 +82,15 @@ def _clean(e: BaseException) -> str:
 class GrammarBackend:
     """Compiles constraints for one tokenizer and logits width (thread-safe; cached)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 256 << 20) -> None:
         self.xgr = import_xgrammar()
         self.vocab_size = vocab_size
         self.tokenizer_info = self._tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.compiler = self.xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}
+        self.cache_bytes = cache_bytes  # the compiled grammars' memory_size_bytes kept at most
+        self.cache_size_bytes = 0
         self._lock = threading.Lock()
         self.num_compiles = 0
         self._batch = None
@@ -100,17 +109,32 @@ class GrammarBackend:
         """The CompiledGrammar of ``spec`` (from the cache when seen before); ValueError naming
         the field when the constraint does not compile."""
         key = spec_key(spec)
+        return self.cached(key) or self.compile_key(key)
+
+    def cached(self, key: tuple[str, str]):
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+            return hit
+
+    def compile_key(self, key: tuple[str, str]):
+        """Compile (on the caller's thread) and keep the result while the cache's bytes allow:
+        least recently used grammars go first; one larger than the whole budget is not kept."""
         compiled = self._compile(key)
+        if not self._allows_a_first_token(compiled):  # e.g. root ::= root: sampling would have no token at all
+            raise ValueError(f"structured_outputs.{key[0]}: the constraint allows no output at all (not even the "
+                             "end of text): no rule reaches a terminal")
+        size = _size_of(compiled)
         with self._lock:
-            self._cache[key] = compiled
             self.num_compiles += 1
-            while len(self._cache) > _CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            if key not in self._cache and size <= self.cache_bytes:
+                self._cache[key] = compiled
+                self._sizes[key] = size
+                self.cache_size_bytes += size
+                while len(self._cache) > _CACHE_ENTRIES or self.cache_size_bytes > self.cache_bytes:
+                    old, _ = self._cache.popitem(last=False)
+                    self.cache_size_bytes -= self._sizes.pop(old)
         return compiled
 
     def _compile(self, key: tuple[str, str]):
@@ -130,6 +154,11 @@ class GrammarBackend:
             what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar (EBNF)",
                     "choice": "choice list", "json_object": "JSON object grammar"}[kind]
             raise ValueError(f"structured_outputs.{kind}: the {what} could not be compiled: {_clean(e)}") from None
+
+    def _allows_a_first_token(self, compiled) -> bool:
+        mask = self.allocate_bitmask(1)
+        self.matcher(compiled).fill_next_token_bitmask(mask)
+        return bool(mask.ne(0).any())
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)

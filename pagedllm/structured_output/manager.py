@@ -1,10 +1,11 @@
 """StructuredOutputManager: the engine's side of constrained decoding.
 
 Lifecycle of a constrained request (driven by engine/core.py):
- 1. ``submit``: its constraint is compiled on a background thread (cached by the constraint's
-    text); the request waits outside the scheduler while others run on. ``validate`` compiles
-    synchronously, for callers that want the error at once (LLM.generate, the server, which runs
-    it on a worker thread before answering).
+ 1. ``submit``: its constraint is checked against the limits (structured_output/limits.py) and
+    compiled on the manager's own bounded pool (cached by the constraint's text, in bytes); the
+    request waits outside the scheduler while others run on. ``validate`` waits for it (at most
+    ``structured_compile_timeout``), for callers that want the error at once (LLM.generate); the
+    server awaits ``submit``'s future itself, so a client that goes away withdraws its compile.
  2. ``start``: once compiled, a GrammarMatcher is made for it (one per sequence: n > 1 fans out
     into separate requests, each with its own).
  3. each step, ``step_grammar``: the allowed-token bitmask of every constrained request that
@@ -19,16 +20,31 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
 import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import GrammarBackend, import_xgrammar
+from pagedllm.structured_output.backend import GrammarBackend, import_xgrammar, spec_key
+from pagedllm.structured_output.limits import CompileLimits, CompilePoolFullError, CompileTimeoutError, compile_timeout
 
 logger = logging.getLogger(__name__)
+
+
+def _relay(shared: Future, mine: Future) -> None:
+    """A caller's future takes the shared compile's outcome (unless the caller withdrew)."""
+    if shared.cancelled():
+        mine.cancel()
+        return
+    try:
+        if shared.exception() is not None:
+            mine.set_exception(shared.exception())
+        else:
+            mine.set_result(shared.result())
+    except InvalidStateError:  # the caller withdrew meanwhile
+        pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +65,16 @@ class Advance:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 limits: Optional[CompileLimits] = None) -> None:
         self._args = (tokenizer, vocab_size, list(stop_token_ids))
+        self.limits = limits or CompileLimits()
         self._backend: Optional[GrammarBackend] = None
         self._backend_lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[str, str], Future] = {}  # compiles queued or running, by constraint
+        self._waiters: dict[tuple[str, str], int] = {}  # callers still waiting on each
         self.matchers: dict[str, Any] = {}
         self._buffer: Optional[torch.Tensor] = None
 
@@ -62,22 +83,82 @@ class StructuredOutputManager:
         """Built on first use (importing xgrammar and reading the vocabulary take a second or two)."""
         with self._backend_lock:
             if self._backend is None:
-                self._backend = GrammarBackend(*self._args)
+                self._backend = GrammarBackend(*self._args, cache_bytes=self.limits.cache_bytes)
             return self._backend
 
     # ---- compile ----------------------------------------------------------------------------
     def validate(self, spec: StructuredOutputsParams) -> None:
-        """Compile ``spec`` now (cached): ValueError naming the field if it does not compile."""
-        self.backend.compile(spec)
+        """Compile ``spec`` now (cached): ValueError naming the field if it does not compile or is
+        over a limit; CompileTimeoutError if it takes longer than the limit (the compile goes on
+        in the pool and is cached when it ends)."""
+        fut = self.submit(spec)
+        try:
+            fut.result(timeout=self.limits.timeout)
+        except FutureTimeout:
+            fut.cancel()
+            raise self.timeout_error(spec) from None
+
+    def timeout_error(self, spec: StructuredOutputsParams) -> CompileTimeoutError:
+        return compile_timeout(spec, self.limits.timeout)
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
+        """The caller's own future of ``spec``'s CompiledGrammar, compiled on the manager's pool
+        (``limits.workers`` threads of its own, never the tokenizer's). Limits are checked here
+        (ValueError at once); the same constraint in flight is compiled once for all its callers;
+        cancelling the future withdraws the caller, and a compile nobody waits for any more is
+        dropped if it has not started. CompilePoolFullError when workers + queue are all taken
+        (compiles abandoned while running still count until they end)."""
         import_xgrammar()  # a missing extra is the caller's error, at once
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-grammar")
-        return self._pool.submit(self.backend_compile, spec)
+        key = spec_key(spec)
+        self.limits.check(spec, key)
+        mine: Future = Future()
+        hit = self._backend.cached(key) if self._backend is not None else None
+        if hit is not None:
+            mine.set_result(hit)
+            return mine
+        with self._lock:
+            shared = self._inflight.get(key)
+            if shared is None:
+                busy = len(self._inflight)
+                if busy >= self.limits.workers + self.limits.max_queued:
+                    raise CompilePoolFullError(
+                        f"{busy} grammar compiles are queued or running, the limit is structured_compile_workers + "
+                        f"structured_max_queued_compiles = {self.limits.workers + self.limits.max_queued}; retry later")
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="pagedllm-grammar")
+                shared = self._pool.submit(self._compile, key)
+                self._inflight[key] = shared
+                shared.add_done_callback(lambda f, k=key: self._done(k, f))
+            self._waiters[key] = self._waiters.get(key, 0) + 1
+        shared.add_done_callback(lambda f: _relay(f, mine))
+        mine.add_done_callback(lambda f, k=key: self._withdraw(k, f))
+        return mine
 
-    def backend_compile(self, spec: StructuredOutputsParams):
-        return self.backend.compile(spec)
+    def _compile(self, key: tuple[str, str]):
+        return self.backend.cached(key) or self.backend.compile_key(key)
+
+    def _done(self, key, fut: Future) -> None:
+        with self._lock:
+            if self._inflight.get(key) is fut:
+                del self._inflight[key]
+                self._waiters.pop(key, None)
+
+    def _withdraw(self, key, mine: Future) -> None:
+        if not mine.cancelled():
+            return
+        with self._lock:
+            left = self._waiters.get(key, 0) - 1
+            shared = self._inflight.get(key)
+            if left > 0:
+                self._waiters[key] = left
+                return
+            self._waiters.pop(key, None)
+        if shared is not None:
+            shared.cancel()  # dropped if still queued; a running compile ends and is cached
+
+    @property
+    def num_inflight_compiles(self) -> int:
+        return len(self._inflight)
 
     # ---- per request ------------------------------------------------------------------------
     def start(self, req_id: str, compiled, replay: Iterable[int] = ()) -> None:

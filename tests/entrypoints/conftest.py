@@ -58,6 +58,19 @@ class LiveServer:
         self.thread.join(30)
 
 
+def start_live(config, args=None) -> LiveServer:
+    """A LiveServer over build_app(config, args), once its engine has loaded (or fail)."""
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    live = LiveServer(build_app(config, args=args) if args is not None else build_app(config))
+    deadline = time.monotonic() + 120
+    while live.state.serving is None:
+        assert live.state.load_error is None, live.state.load_error
+        assert time.monotonic() < deadline, "engine did not load"
+        time.sleep(0.05)
+    return live
+
+
 def make_engine(model: str, multiprocess: bool = True, **kw):
     """An AsyncLLM; ``multiprocess=False`` keeps the core in this process (for tests that patch
     its executor)."""

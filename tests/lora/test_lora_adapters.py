@@ -50,7 +50,23 @@ BAD_CASES = {
     "not_json": (lambda p: open(os.path.join(p, "adapter_config.json"), "w").write("{"), "not readable JSON"),
     "nested_too_deeply": (lambda p: open(os.path.join(p, "adapter_config.json"), "w").write(
         '{"a":' * 100000 + "1" + "}" * 100000), "nests too deeply"),
+    # NaN/inf would load and silently spoil every output (issue 29)
+    "inf_alpha": (lambda p: edit_config(p, lora_alpha=float("inf")), "lora_alpha must be a finite number"),
+    "nan_alpha": (lambda p: edit_config(p, lora_alpha=float("nan")), "lora_alpha must be a finite number"),
+    "overflowing_alpha": (lambda p: edit_config(p, lora_alpha=1e300), r"lora_B x scaling holds non-finite values"),
+    "nan_weight": (lambda p: poison_weights(p, "lora_A", float("nan")), r"lora_A holds non-finite values"),
+    "inf_weight": (lambda p: poison_weights(p, "lora_B", float("-inf")), r"lora_B x scaling holds non-finite values"),
 }
+
+
+def poison_weights(path: str, which: str, value: float) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = os.path.join(path, "adapter_model.safetensors")
+    tensors = load_file(f)
+    key = sorted(k for k in tensors if which in k)[3]
+    tensors[key].view(-1)[7] = value
+    save_file(tensors, f)
 
 
 def test_bad_adapters_are_refused_and_the_engine_goes_on(base_and_adapters):
@@ -134,3 +150,28 @@ def test_slot_tensors_hold_the_scaled_adapter(base_and_adapters):
         lo, size = layer.offsets[j], layer.out_sizes[j]
         torch.testing.assert_close(layer.lora_b[slot, lo:lo + size, j * r:(j + 1) * r], weights[key.format(t, "B")] * scale)
         assert not layer.lora_b[slot, :lo, j * r:(j + 1) * r].any() and not layer.lora_b[slot, lo + size:, j * r:(j + 1) * r].any()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("a\nb", "control, format or separator"), ("tab\there", "control"), ("zero\u200bwidth", "format"),
+    ("x" * 10_000, "over the limit of 256"), ("", "non-empty"),
+])
+def test_bad_lora_names_are_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        LoRARequest(name, 1, "/some/where")
+
+
+def test_the_adapter_registry_is_bounded(base_and_adapters):
+    from pagedllm.lora.registry import LoRARegistry
+    from pagedllm.models.config_json import load_hf_config
+
+    _, base, good, other, _ = base_and_adapters
+    reg = LoRARegistry(load_hf_config(base), 8, max_adapters=2)
+    reg.add(LoRARequest("one", 1, good))
+    reg.add(LoRARequest("two", 2, other))
+    with pytest.raises(ValueError, match="max_registered_loras"):
+        reg.add(LoRARequest("three", 3, good))
+    reg.resolve(LoRARequest("one", 1, good))  # a known name is no new entry
+    assert reg.remove("one")
+    reg.add(LoRARequest("three", 3, good))
+    assert sorted(r.lora_name for r in reg.requests()) == ["three", "two"]

@@ -37,6 +37,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.async_llm import DEAD_MESSAGE
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     TokenizeRequest, TokenizeResponse, VersionResponse,
@@ -216,10 +217,10 @@ class ServerState:
                            "/pooling, /score and /rerank, not generation", code="unsupported_task")
         if self.serving is None:
             if self.load_error is not None:
-                raise APIError(503, f"the engine failed to start: {self.load_error!r}", code="engine_dead")
+                raise APIError(503, "the engine failed to start (the server log has the cause)", code="engine_dead")
             raise APIError(503, "the engine is still loading; retry shortly", code="loading")
         if not self.engine.is_running:
-            raise APIError(503, f"the engine is not running: {self.engine.dead_error!r}", code="engine_dead")
+            raise APIError(503, DEAD_MESSAGE, code="engine_dead")  # the cause was logged when it died
         return self.serving
 
     def begin_drain(self, loop: asyncio.AbstractEventLoop, seconds: float) -> None:
@@ -491,7 +492,9 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
 
     @app.get("/metrics")
     async def metrics():
-        body, content_type = state.metrics.render(state.engine.stats if state.engine is not None else None)
+        dead = state.load_error is not None or (state.engine is not None and not state.engine.is_running)
+        body, content_type = state.metrics.render(state.engine.stats if state.engine is not None else None,
+                                                  engine_dead=dead)
         return Response(content=body, media_type=content_type)
 
     return app

@@ -22,9 +22,11 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
-from pagedllm.engine.async_llm import EngineDeadError, QueueFullError, RequestFailedError
+from pagedllm.engine.async_llm import (DEAD_MESSAGE, EngineDeadError, QueueFullError, RequestFailedError,
+                                       sequences_of)
 from pagedllm.engine.input_processor import ProcessedPrompt
 from pagedllm.engine.protocol import EngineClient
+from pagedllm.structured_output.limits import CompilePoolFullError, CompileTimeoutError, compile_timeout
 from pagedllm.entrypoints.openai import logprobs as lp_format
 from pagedllm.entrypoints.openai.beam import beam_search_params, check_best_of
 from pagedllm.entrypoints.openai import tool_calls as tc
@@ -37,7 +39,7 @@ from pagedllm.entrypoints.openai.protocol import (
     DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo,
 )
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, token_id_key
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -76,10 +78,15 @@ def to_api_error(e: BaseException, aliases: Optional[dict[str, str]] = None) -> 
         return e
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
-    if isinstance(e, EngineDeadError):
-        return APIError(503, str(e), code="engine_dead")
+    if isinstance(e, EngineDeadError):  # its text may hold internals (paths, ports, exceptions): logged only
+        logger.error("engine dead: %s", e)
+        return APIError(503, DEAD_MESSAGE, code="engine_dead")
     if isinstance(e, RequestFailedError):
         return APIError(500, str(e), code="request_failed")
+    if isinstance(e, CompileTimeoutError):
+        return APIError(408, str(e), code="compile_timeout")
+    if isinstance(e, CompilePoolFullError):
+        return APIError(429, str(e), code="compile_queue_full", headers={"Retry-After": "1"})
     if isinstance(e, (ValueError, TypeError)):
         first = str(e).split(" ", 1)[0]
         param = (aliases or {}).get(first, first) if first in _PARAM_NAMES else None
@@ -150,6 +157,7 @@ class StreamSet:
         self._queue.put_nowait((-1, error))
 
     async def start(self) -> "StreamSet":
+        self._engine.check_can_fit(sum(sequences_of(p) for _, p, _ in self._items))  # all prompts together
         for i, (prompt, params, rid) in enumerate(self._items):
             self._tasks.append(asyncio.create_task(self._pump(i, self._engine.generate(prompt, params, rid,
                                                                                       **self._lora))))
@@ -251,9 +259,9 @@ class OpenAIServing:
         bias = None
         if req.logit_bias:
             try:
-                bias = {int(k): v for k, v in req.logit_bias.items()}
-            except ValueError:
-                raise APIError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value")
+                bias = {token_id_key(k): v for k, v in req.logit_bias.items()}
+            except ValueError as e:
+                raise APIError(400, str(e), param="logit_bias", code="invalid_value") from None
             if any(not 0 <= k < self.vocab_size for k in bias):
                 raise APIError(400, f"logit_bias token ids must be in [0, {self.vocab_size})", param="logit_bias",
                                code="invalid_value")
@@ -316,9 +324,21 @@ class OpenAIServing:
             return
         field = field or request_constraint(req, _bad_request)[1]
         try:
-            await asyncio.to_thread(self.engine.check_structured_outputs, params)
+            # the compile pool's own thread, never the default executor (tokenization's); a client
+            # that goes away cancels this await, which withdraws the compile
+            fut = self.engine.compile_structured_outputs(params)
+            if fut is not None:
+                limit = self.engine.config.structured_compile_timeout
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(fut), limit)
+                except asyncio.TimeoutError:
+                    raise compile_timeout(params.structured_outputs, limit) from None
         except ValueError as e:
             raise APIError(400, rename_field(str(e), field), param=field, code="invalid_value") from None
+        except CompileTimeoutError as e:
+            raise APIError(408, rename_field(str(e), field), param=field, code="compile_timeout") from None
+        except CompilePoolFullError as e:
+            raise APIError(429, str(e), param=field, code="compile_queue_full", headers={"Retry-After": "1"}) from None
 
     async def _process(self, prompt, param: str, req=None) -> ProcessedPrompt:
         """Validate and tokenise a prompt on a worker thread (never on the event loop); ``req``'s
@@ -414,6 +434,8 @@ class OpenAIServing:
             params = self.sampling_params(req, len(ids), req.max_tokens or (None if req.max_tokens is None else 1),
                                           req.logprobs, prompt_n)
             items.append((self._engine_prompt(req, ids, text), params, f"{rid}-{i}"))
+        self._check_logprob_volume([(len(ids), p) for (_, p, _), (_, ids) in zip(items, prompts)],
+                                   req.logprobs if req.echo else None, req.prompt_logprobs)
         if items:
             await self._check_constraint(req, items[0][1])
         streams = await self._start(items, self._timeout(req, timeout), model)
@@ -427,6 +449,31 @@ class OpenAIServing:
         vLLM's cache_salt (a tenant's own prefix cache: the salt keys the first block, so the hash
         chain differs from everyone else's), the request's priority."""
         return ProcessedPrompt(text, ids, req.cache_salt, req.priority or 0)
+
+    def _check_logprob_volume(self, items: list[tuple[int, Any]], echo_logprobs: Optional[int],
+                              prompt_logprobs: Optional[int]) -> None:
+        """Refuse up front (400) a response whose logprob entries -- one per token and alternative,
+        in every returned choice of every prompt -- would pass max_logprob_entries: generated
+        tokens' logprobs, the prompt's (prompt_logprobs) and echo's (the prompt's, with logprobs)."""
+        limit = self.engine.config.max_logprob_entries
+        total, fields = 0, set()
+        for prompt_len, params in items:
+            n = getattr(params, "n", 1)
+            logprobs = getattr(params, "logprobs", None)
+            if logprobs is not None:
+                max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
+                total += n * max_tokens * (logprobs + 1)
+                fields.add("logprobs")
+            for name, k in (("echo", echo_logprobs), ("prompt_logprobs", prompt_logprobs)):
+                if k is not None:
+                    total += n * prompt_len * (k + 1)
+                    fields.add(name)
+        if total > limit:
+            names = " x ".join(sorted(fields | {"n"}))
+            raise APIError(400, f"this request would return up to {total} logprob entries ({names}, over every "
+                                f"prompt and choice), over the limit of {limit} (max_logprob_entries): lower n, "
+                                "max_tokens, logprobs or prompt_logprobs", param=sorted(fields)[0],
+                           code="response_too_large")
 
     def _echo_logprobs(self, out: RequestOutput, n: Optional[int]):
         if n is None:
@@ -602,6 +649,9 @@ class OpenAIServing:
         """Validate, render and admit a chat request: (streams, id, model name, prompt length, tool
         plan). /v1/chat/completions and /v1/responses both start their generations here."""
         model = self.check_model(req.model)
+        max_tools = self.engine.config.max_tools
+        if req.tools and len(req.tools) > max_tools:  # each is rendered into the prompt and may become a grammar
+            raise _bad_request(f"tools has {len(req.tools)} entries, over the limit of {max_tools} (max_tools)", "tools")
         plan = tc.plan_tools(req, self.options.enable_auto_tool_choice, self.options.tool_call_parser, _bad_request)
         ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages",
                                    req)).token_ids
@@ -613,6 +663,7 @@ class OpenAIServing:
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = self.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       req.prompt_logprobs, aliases=aliases)
+        self._check_logprob_volume([(len(ids), params)], None, req.prompt_logprobs)
         if plan.constraint is not None:
             if params.structured_outputs is not None:
                 raise _bad_request(f"tool_choice {plan.mode!r} constrains the output, and so does "

@@ -51,7 +51,7 @@ def _build(kwargs: dict[str, Any], field: str, error) -> StructuredOutputsParams
 
 def rename_field(message: str, field: Optional[str]) -> str:
     """A compile error names ``structured_outputs.<kind>``; say which request field held it."""
-    if field is None or field == "structured_outputs":
+    if field is None or field == "structured_outputs" or not message.startswith("structured_outputs."):
         return message
-    head, _, rest = message.partition(": ")
-    return f"{field}: {rest}" if head.startswith("structured_outputs.") else message
+    name = message.split(" ", 1)[0].rstrip(":")  # structured_outputs.<kind>
+    return field + message[len(name):]
