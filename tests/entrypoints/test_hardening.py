@@ -127,7 +127,16 @@ def test_n_counts_against_the_waiting_limit(llama_ckpt):
     engine = make_engine(llama_ckpt, max_num_seqs=1, max_waiting_requests=2)
     live = LiveServer(build_app(engine, served_model_name="tiny", owns_engine=True))
     try:
+        # more than an idle server can ever hold: the client's error (400), not an overload (issue 29)
         r = post(live, "/v1/completions", json={"prompt": PROMPT, "n": 4, "max_tokens": 1})
+        assert_error(r, 400, param="n")
+        assert "retry-after" not in r.headers
+        # it fits an idle server but not now (3 sequences counted in flight): 429 with Retry-After
+        engine._count("in-flight", 3)
+        try:
+            r = post(live, "/v1/completions", json={"prompt": PROMPT, "n": 1, "max_tokens": 1})
+        finally:
+            engine._release("in-flight")
         assert_error(r, 429, code="queue_full")
         assert r.headers["retry-after"] == "1"
         assert post(live, "/v1/completions", json={"prompt": PROMPT, "n": 3, "max_tokens": 1}).status_code == 200
