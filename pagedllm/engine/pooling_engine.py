@@ -5,7 +5,11 @@ forward of the pooling runner (worker/pooling_runner.py), results pooled per inp
 Tasks, in vLLM's names: ``embed`` (one vector per input; Matryoshka ``dimensions`` where the
 model supports it), ``token_embed`` (every token's vector), ``classify`` (a classifier's
 scores), ``score`` (a cross-encoder's score of each (text_1, text_2) pair, or the cosine of two
-embeddings for an embedding model). Thread-safe: one forward at a time.
+embeddings for an embedding model).
+
+Thread-safe, and concurrent callers (the server's requests) share forwards: a caller whose inputs
+arrive while a forward runs waits; when it ends, one waiting caller takes every input queued so
+far into the next forwards and hands each caller its rows.
 """
 from __future__ import annotations
 
@@ -31,6 +35,66 @@ def wants_pooling(config: EngineConfig, hf_config=None) -> bool:
     return any(is_pooling_architecture(a) for a in (getattr(hf_config, "architectures", None) or []))
 
 
+class _Job:
+    __slots__ = ("seqs", "types", "hidden", "logits", "error", "done")
+
+    def __init__(self, seqs, types) -> None:
+        self.seqs, self.types = seqs, types
+        self.hidden, self.logits, self.error, self.done = None, None, None, False
+
+
+class ForwardBatcher:
+    """Callers' sequences gathered into shared forwards (``run(seqs, types) -> (hidden, logits)``
+    over the lot); one forward runs at a time."""
+
+    def __init__(self, run) -> None:
+        self.run = run
+        self.pending: list[_Job] = []
+        self.busy = False
+        self.cv = threading.Condition()
+
+    def forward(self, seqs, types=None):
+        job = _Job(seqs, types)
+        with self.cv:
+            self.pending.append(job)
+            while self.busy and not job.done:
+                self.cv.wait()
+            if not job.done:  # this caller leads the next forwards, for every job queued so far
+                self.busy, jobs, self.pending = True, self.pending, []
+        if job.done:
+            return self._result(job)
+        try:
+            all_seqs = [s for j in jobs for s in j.seqs]
+            all_types = None
+            if any(j.types is not None for j in jobs):
+                all_types = [t for j in jobs for t in (j.types if j.types is not None else [[0] * len(s) for s in j.seqs])]
+            try:
+                hidden, logits = self.run(all_seqs, all_types)
+            except BaseException as e:
+                for j in jobs:
+                    j.error = e
+            else:
+                start = 0
+                for j in jobs:
+                    n = len(j.seqs)
+                    j.hidden = hidden[start : start + n]
+                    j.logits = logits[start : start + n] if logits is not None else None
+                    start += n
+        finally:
+            with self.cv:
+                for j in jobs:
+                    j.done = True
+                self.busy = False
+                self.cv.notify_all()
+        return self._result(job)
+
+    @staticmethod
+    def _result(job: _Job):
+        if job.error is not None:
+            raise job.error
+        return job.hidden, job.logits
+
+
 class PoolingEngine:
     def __init__(self, config: EngineConfig) -> None:
         from transformers import AutoTokenizer
@@ -50,7 +114,7 @@ class PoolingEngine:
         self.pooler = load_pooler_config(config.model, hf_config, self.runner.is_encoder)
         self.is_cross_encoder = self.runner.is_classifier
         self.vocab_size = hf_config.vocab_size
-        self._lock = threading.Lock()
+        self.batcher = ForwardBatcher(self._run_batches)
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -84,21 +148,23 @@ class PoolingEngine:
 
     # ---- batching -----------------------------------------------------------------------------
     def _forward(self, seqs: list[list[int]], types: Optional[list[list[int]]] = None):
-        """Hidden states (and logits) of every sequence, in order, over as few forwards as the
-        token and sequence budgets allow."""
+        """Hidden states (and logits) of every sequence, in order (shared forwards with other callers)."""
+        return self.batcher.forward(seqs, types)
+
+    def _run_batches(self, seqs: list[list[int]], types: Optional[list[list[int]]] = None):
+        """As few forwards as the token and sequence budgets allow."""
         hidden, logits, start = [], [], 0
-        with self._lock:
-            while start < len(seqs):
-                end, tokens = start, 0
-                while end < len(seqs) and end - start < self.config.max_num_seqs and (
-                        end == start or tokens + len(seqs[end]) <= self.max_num_batched_tokens):
-                    tokens += len(seqs[end])
-                    end += 1
-                out = self.runner.run(seqs[start:end], types[start:end] if types is not None else None)
-                hidden.extend(out.hidden)
-                if out.logits is not None:
-                    logits.append(out.logits)
-                start = end
+        while start < len(seqs):
+            end, tokens = start, 0
+            while end < len(seqs) and end - start < self.config.max_num_seqs and (
+                    end == start or tokens + len(seqs[end]) <= self.max_num_batched_tokens):
+                tokens += len(seqs[end])
+                end += 1
+            out = self.runner.run(seqs[start:end], types[start:end] if types is not None else None)
+            hidden.extend(out.hidden)
+            if out.logits is not None:
+                logits.append(out.logits)
+            start = end
         return hidden, (torch.cat(logits) if logits else None)
 
     # ---- tasks --------------------------------------------------------------------------------

@@ -124,3 +124,36 @@ def test_refusals(ckpts):
         llm(ckpts["bert_rerank"]).embed(TEXTS[:1])
     with pytest.raises(ValueError, match="runner must be"):
         LLM(model=ckpts["bert_mean"], runner="embed")
+
+
+def test_concurrent_callers_share_forwards(ckpts, monkeypatch):
+    """Inputs of callers arriving while a forward runs go into the next forward together."""
+    import threading
+    import time
+
+    model = llm(ckpts["xlmr_cls"])
+    runner, batcher = model.pooling.runner, model.pooling.batcher
+    real, calls = runner.run, []
+
+    def run(seqs, types=None):
+        if not calls:  # the first forward waits until two more callers are queued behind it
+            deadline = time.monotonic() + 30
+            while len(batcher.pending) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        calls.append(len(seqs))
+        return real(seqs, types)
+
+    monkeypatch.setattr(runner, "run", run)
+    results = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, model.embed(TEXTS[i]))) for i in range(3)]
+    threads[0].start()
+    while not calls and not batcher.busy:
+        time.sleep(0.01)
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert calls == [1, 2]
+    alone = model.embed(TEXTS[:3])
+    for i in range(3):
+        assert results[i][0].outputs.embedding == pytest.approx(alone[i].outputs.embedding, abs=1e-6)
