@@ -39,6 +39,9 @@ class PrometheusMetrics:
         def hist(name, doc, buckets):
             return Histogram(name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
 
+        from pagedllm.metrics.request_families import RequestFamilies
+
+        self.families = RequestFamilies(r, prefix, model_name)  # vLLM's per-request families
         self.num_running = gauge(f"{prefix}:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge(f"{prefix}:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge(f"{prefix}:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
@@ -155,6 +158,7 @@ class PrometheusMetrics:
     def on_step(self, stats, seconds: float) -> None:
         self.update_stats(stats)
         self.step_time.observe(seconds)
+        self.families.on_step(stats)
 
     def on_step_phases(self, timing, output_seconds: float) -> None:
         """One core step's StepTiming and the front end's output processing of it."""
@@ -171,6 +175,7 @@ class PrometheusMetrics:
         if n_gen is None:
             n_gen = sum(len(o.token_ids) for o in out.outputs)
         self.generation_tokens.inc(n_gen)
+        self.families.on_finished(out, n_gen)
         for o in out.outputs:
             reason = o.finish_reason or "abort"
             counter = self._success.get(reason)
