@@ -2,8 +2,9 @@
 server's RSS before/after, then how long an unrelated 1-token request and /tokenize take while
 eight regex compiles (abandoned by their clients after 3 s) run.
 
-The server is built in this process (``build_app`` on the embedded default model, default limits)
-so RSS is the server's own.
+The server is built in this process (``build_app`` on the embedded default model, default limits);
+RSS is this front-end process's, where tokenization, validation and the grammar compiles run (the
+engine core has its own process unless PAGEDLLM_ENGINE_CORE_PROCESS=0).
 
     python benchmarks/compile_bombs.py --json benchmarks/results/compile_bombs.json
 """
