@@ -19,6 +19,8 @@ from pagedllm.config import parse_size as config_parse_size
 
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
+    "runner": "auto (pooling for encoder / classifier architectures), generate, or pooling (embeddings, /score, "
+              "/rerank)",
     "dtype": "weights and KV cache dtype: auto (from the checkpoint), float32, bfloat16, float16",
     "kv_cache_dtype": "KV cache storage: auto (the model dtype), fp8_e4m3 (alias fp8), fp8_e5m2 or int8; the 8-bit "
                       "dtypes keep a bf16 scale per token and kv head and hold ~2x the tokens of a bf16 cache",

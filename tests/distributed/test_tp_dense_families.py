@@ -1,7 +1,7 @@
 """Tensor parallelism over the dense families whose loading or layers have TP-specific parts:
 Phi-3's fused qkv / gate_up tensors split per rank, OLMo 2's q/k norm over the whole projection
-(squared sums all-reduced), GPT-2's transposed Conv1D c_attn split into q/k/v; Falcon's grouped
-and per-head fused q/k/v (index views) and its ALiBi slopes split by head, StableLM's per-head
+(squared sums all-reduced), GPT-2's transposed Conv1D c_attn split into q/k/v; Falcon-RW's
+per-head fused q/k/v (index views) and its ALiBi slopes split by head, StableLM's per-head
 q/k norm tensors, Cohere's permuted q/k rows and [heads, head_dim] norms, GPTBigCode's one kv
 head replicated. 2 ranks give the same greedy tokens as 1."""
 import os
@@ -27,7 +27,7 @@ def greedy(path, tp):
     return [o.outputs[0].token_ids for o in outs], weights
 
 
-@pytest.mark.parametrize("family", ["phi3", "olmo2", "gpt2", "falcon", "falcon_alibi", "stablelm", "cohere",
+@pytest.mark.parametrize("family", ["phi3", "olmo2", "gpt2", "falcon_alibi", "stablelm", "cohere",
                                     "gpt_bigcode"])
 def test_tp2_matches_tp1(ckpt_dir, family):
     path = make_dense_checkpoint(str(ckpt_dir / f"tp_dense_{family}"), family)
