@@ -151,6 +151,9 @@ class EngineConfig:
     # logprob entries (token x top-N alternatives, over n choices and prompts) one response may carry:
     # prompt_logprobs x n, echo x logprobs x prompt length, logprobs x max_tokens x n (more: 400)
     max_logprob_entries: int = 500_000
+    # the scheduler's queue order and preemption victim (core/scheduling_policy.py): "fcfs" (arrival order) or
+    # "priority" (by Request.priority, lower first, then arrival; vLLM's rule)
+    scheduling_policy: str = "fcfs"
 
     def _check_pipeline_parallel(self) -> None:
         pp = self.pipeline_parallel_size
@@ -251,6 +254,10 @@ class EngineConfig:
         if self.max_loras_per_step is not None and not 1 <= self.max_loras_per_step <= self.max_loras:
             raise ValueError(f"max_loras_per_step must be in 1..max_loras ({self.max_loras}), got "
                              f"{self.max_loras_per_step}")
+        from pagedllm.core.scheduling_policy import POLICIES
+
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.scheduling_policy!r}")
         if self.cpu_gemm not in ("auto", "pagedllm", "onednn"):
             raise ValueError(f"cpu_gemm must be 'auto', 'pagedllm' or 'onednn', got {self.cpu_gemm!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -230,6 +230,11 @@ class SamplingParams:
         return bool(self.bad_words or self.allowed_token_ids or self.logits_processors)
 
     @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids plus the model's EOS token(s) (with_eos), unless ignore_eos."""
+        return self._all_stop_token_ids
+
+    @property
     def max_stop_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -56,6 +56,8 @@ class Request:
         "beam",
         "lora",
         "lora_slot",
+        "priority",
+        "unit",
     )
 
     def __init__(
@@ -67,6 +69,7 @@ class Request:
         arrival_time: Optional[float] = None,
         cache_salt: Optional[str] = None,
         lora: Optional[LoRAHandle] = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,6 +88,8 @@ class Request:
         self.beam = None  # its BeamGroup (core/beam_group.py) when it is a beam of a beam search
         self.lora = lora  # the adapter it runs with (None: the base model)
         self.lora_slot = -1  # the adapter slot it holds while running (-1: none)
+        self.priority = priority  # lower runs first under the "priority" scheduling policy (vLLM's rule)
+        self.unit = None  # its scheduling unit (core/scheduling_units.py), set by the scheduler
 
     @property
     def cache_key(self) -> Optional[str]:

@@ -63,6 +63,10 @@ class EngineCore:
             self.max_model_len = self.executor.max_model_len
             self.max_num_batched_tokens = min(self.max_num_batched_tokens,
                                               resolve_max_num_batched_tokens(config, self.max_model_len))
+        self.pp_size = config.pipeline_parallel_size
+        # Steps kept in flight: one per pipeline stage, or what an asynchronous executor runs at
+        # once (executor/simulated.py: the host prepares step N+1 while the device runs step N).
+        self.batch_depth = max(self.pp_size, getattr(self.executor, "max_concurrent_batches", 1))
         self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
                                                sliding_window=self.executor.sliding_window)
         limits = SchedulerLimits(
@@ -72,9 +76,11 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_loras_per_step=config.max_loras_per_step or 0,
+            max_batches_in_flight=self.batch_depth,
+            scheduling_policy=config.scheduling_policy,
             **_spec_limits(config),
         )
-        self.scheduler = Scheduler(limits, self.kv_cache_manager)
+        governor = None
         spec = config.speculative_config
         if spec is not None and spec.auto_disable:  # plain steps while measured costs say speculation loses
             from pagedllm.spec_decode.governor import SpecGovernor
@@ -83,7 +89,8 @@ class EngineCore:
             # a speculative step's longer Python stretches, and the main thread's CPU time misses
             # work on the others; with either, a quiet 2-thread CPU turned a 1.7x n-gram and a
             # 1.2x EAGLE speed-up off (docs/benchmarks.md, issue 20).
-            self.scheduler.spec_governor = SpecGovernor()
+            governor = SpecGovernor()
+        self.scheduler = Scheduler(limits, self.kv_cache_manager, spec_governor=governor)
         self.tokenizer = tokenizer
         self.structured = None  # StructuredOutputs (constrained decoding needs the tokenizer)
         if tokenizer is not None:  # xgrammar is imported on first use
@@ -98,10 +105,6 @@ class EngineCore:
         self._phase = [0.0, 0.0, 0.0]
         self._last_mark = 0.0
         self._beam_groups: dict = {}  # beam searches running (by request id): their live beams on an abort
-        self.pp_size = config.pipeline_parallel_size
-        # Steps kept in flight: one per pipeline stage, or what an asynchronous executor runs at
-        # once (executor/simulated.py: the host prepares step N+1 while the device runs step N).
-        self.batch_depth = max(self.pp_size, getattr(self.executor, "max_concurrent_batches", 1))
         self._batch_queue: deque = deque()  # pipeline parallel: submitted SchedulerOutputs, oldest first
 
     def _make_executor(self, factory=None) -> Executor:
@@ -226,10 +229,7 @@ class EngineCore:
         the engine's: the stages are out of step, so no request is retried."""
         queue, sched = self._batch_queue, self.scheduler
         if len(queue) < self.batch_depth:
-            # micro-batches split the requests: each takes at most 1/P of them, so the next batch
-            # has requests that are not in flight (with one batch of all of them, stages would idle)
-            sched.max_batch_reqs = -(-min(len(sched.running) + len(sched.waiting), self.config.max_num_seqs)
-                                     // self.batch_depth)
+            # the scheduler's InFlightBatches constraint splits the requests into micro-batches
             so = sched.schedule()
             self._mark(0)
             if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:

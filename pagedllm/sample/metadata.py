@@ -189,7 +189,7 @@ def _min_tokens_bans(states, vocab_size, tensor):
     for i, s in enumerate(states):
         sp = s.sampling_params
         if sp.min_tokens and s.num_output_tokens < sp.min_tokens:
-            for tok in sp._all_stop_token_ids:
+            for tok in sp.all_stop_token_ids:
                 if tok < vocab_size:
                     rows.append(i)
                     cols.append(tok)
