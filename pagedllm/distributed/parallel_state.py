@@ -28,6 +28,17 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def share_sampled(self, ids: torch.Tensor) -> torch.Tensor:
+        """The one broadcast of sampled ids: rank 0 (the sampling rank) sampled ``ids`` (any shape,
+        long); every rank gets them, on the host (the gloo group), so all append the same tokens."""
+        if self.world_size == 1:
+            return ids
+        import torch.distributed as dist
+
+        ids = ids.cpu()
+        dist.broadcast(ids, src=0, group=self.cpu_group)
+        return ids
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
             return x

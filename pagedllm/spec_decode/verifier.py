@@ -121,9 +121,8 @@ def verify_and_update(runner, inputs, hidden: torch.Tensor, drafts: dict[str, li
             grid = out.tokens
     elif len(rows):
         grid = torch.empty((len(rows), k_max + 1), dtype=torch.long)
-    if grid is not None and runner.tp.world_size > 1:  # sampled on rank 0; every rank appends the same
-        grid = grid.cpu()
-        torch.distributed.broadcast(grid, src=0, group=runner.tp.cpu_group)
+    if grid is not None:  # sampled on rank 0; every rank appends the same
+        grid = runner.tp.share_sampled(grid)
     grid_l = grid.tolist() if grid is not None else []  # the step's one device->host sync
 
     tokens: list[list[int]] = [[] for _ in range(num_rows_batch)]

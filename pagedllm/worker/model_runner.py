@@ -21,6 +21,10 @@ rank 0 of the last stage samples, and it appends nothing: the driver passes ever
 sampled ids of earlier steps with a later step (``apply_new_tokens``), before any step that
 schedules those requests again, so all stages keep the same request states without waiting on
 one another.
+
+Each feature's part of the step is a plug-in given at construction (worker/runner_plugins.py):
+LoRA, speculative decoding and CUDA graphs; the forward path (eager, graphs, pipeline stage) is
+chosen once there too.
 """
 from __future__ import annotations
 
@@ -32,16 +36,26 @@ import torch
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.block_copy import copy_blocks, layer_cache_planes
 from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
-from pagedllm.attention.forward_context import set_attention_metadata
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.sample.metadata import build_sampling_metadata
 from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
 from pagedllm.worker.beam_rows import score_beam_rows
 from pagedllm.worker.input_batch import CachedRequestState, StepInputs, build_block_table
+from pagedllm.worker.runner_plugins import (
+    EagerForward,
+    GraphForward,
+    PipelineStageForward,
+    RunnerPlugins,
+)
+
+
+def _keep(ids: torch.Tensor) -> torch.Tensor:
+    return ids
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, vocab_size: int, device: torch.device, seed: int) -> None:
+    def __init__(self, model, block_size: int, vocab_size: int, device: torch.device, seed: int,
+                 plugins: RunnerPlugins = RunnerPlugins()) -> None:
         self.model = model
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -57,37 +71,41 @@ class ModelRunner:
         # but its random stream must continue where it stopped).
         self.generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
-        self.graph_runner = None  # a DecodeGraphRunner on CUDA unless enforce_eager (set by the worker)
-        self.lora = None  # a LoRASlotManager when LoRA is enabled (set by the worker)
-        self.spec = None  # a spec_decode SpecDecoder when speculative decoding is on (set by the worker)
+        self.lora = plugins.lora
+        self.spec = plugins.spec(self.sampler.generator if self.sampler else None) if plugins.spec else None
+        eager = EagerForward(model, self.lora)
+        self._forward_path = (PipelineStageForward(model, self.pp, device) if self.pp is not None
+                              else GraphForward(plugins.graphs, eager) if plugins.graphs is not None else eager)
+        # pipeline parallelism: the driver passes the sampled ids to every stage (apply_new_tokens)
+        self._share_sampled = self.tp.share_sampled if self.pp is None else _keep
+        self._ends_at_stage = self.pp is not None and not self.pp.is_last  # the next stage goes on
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
-        """``grammar``: the structured-output bitmasks of the step (a StepGrammar; rank 0 only)."""
+        """prepare -> forward -> sample / verify / score -> update. ``grammar``: the structured-output
+        bitmasks of the step (a StepGrammar; rank 0 only)."""
         self._apply_diffs(so)
-        if so.block_copies:  # beam search copy-on-write, before any K/V is written
-            copy_blocks(layer_cache_planes(self.model.attention_layers()), so.block_copies)
         if so.is_empty:
             return ModelRunnerOutput([], [])
         drafts, draft_probs = self.spec.propose(self, so) if self.spec is not None else (None, None)
         inputs = self._prepare_inputs(so, drafts)
         hidden = self._forward(inputs)
-        if self.pp is not None and not self.pp.is_last:  # the next stage has the hidden states now
+        if self._ends_at_stage:  # the next stage has the hidden states now
             self._update_states(inputs, [])
             return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids])
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)  # before the states grow
         beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler)  # takes the beam rows out of sampling
+        num_drafts = None
         if drafts is not None:  # speculative decoding: every drafted position verified at once
-            lists, logprobs, num_drafts = self.spec.verify(self, inputs, hidden, drafts, draft_probs)
-            self.spec.observe(self, inputs, hidden)
-            return ModelRunnerOutput(inputs.req_ids, lists, logprobs, prompt_logprobs, num_draft_tokens=num_drafts,
-                                     beam_candidates=beams)
-        sampled, logprobs = self._sample(inputs, hidden, grammar)
-        sampled_lists = self._update_states(inputs, sampled)
+            sampled_lists, logprobs, num_drafts = self.spec.verify(self, inputs, hidden, drafts, draft_probs)
+        else:
+            sampled, logprobs = self._sample(inputs, hidden, grammar)
+            sampled_lists = self._update_states(inputs, sampled)
         if self.spec is not None:  # EAGLE: the target's hidden states of the computed positions
             self.spec.observe(self, inputs, hidden)
-        return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs, beam_candidates=beams)
+        return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs,
+                                 num_draft_tokens=num_drafts, beam_candidates=beams)
 
     # ---- 1. state diffs ---------------------------------------------------------------------
     def apply_new_tokens(self, new_tokens: dict[str, list[int]]) -> None:
@@ -105,6 +123,8 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for slot, handle in so.lora_loads:  # adapters the scheduler put into slots for this step
             self.lora.load(slot, handle)
+        if so.block_copies:  # beam search copy-on-write, before any K/V is written
+            copy_blocks(layer_cache_planes(self.model.attention_layers()), so.block_copies)
         for nr in so.scheduled_new_reqs:
             gen = self.generators.get(nr.req_id)
             if gen is None and nr.sampling_params.seed is not None and self.is_sampler:
@@ -179,39 +199,10 @@ class ModelRunner:
 
     # ---- 3. forward ------------------------------------------------------------------------
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states [T, H] of every scheduled token."""
-        if self.pp is not None:
-            return self._forward_stage(inputs)
-        md = inputs.attn_metadata
-        total = inputs.num_tokens
-        graphs = self.graph_runner
-        if graphs is not None and total == len(inputs.req_ids) and total <= graphs.max_batch:  # decode-only
-            hidden = graphs.run(inputs.input_ids, inputs.positions, md.slot_mapping, md.seq_lens, md.block_table)
-        else:
-            if self.lora is not None:  # every wrapped layer's rows per adapter slot, built once
-                self.lora.begin_step(np.repeat([s.lora_slot for s in inputs.states], inputs.num_scheduled))
-            with set_attention_metadata(md):
-                hidden = self.model(inputs.input_ids, inputs.positions)
-            if self.lora is not None:
-                self.lora.end_step()
-        self.num_forward_tokens += total
+        """Hidden states [T, H] of every scheduled token (the last stage's, under pipeline parallelism)."""
+        hidden = self._forward_path(inputs)
+        self.num_forward_tokens += inputs.num_tokens
         return hidden
-
-    def _forward_stage(self, inputs: StepInputs) -> torch.Tensor:
-        """One pipeline stage: the previous stage's tensors in, this stage's layers, out to the
-        next stage (the last stage returns its final hidden states)."""
-        pp, total = self.pp, inputs.num_tokens
-        intermediate = None
-        if not pp.is_first:
-            hidden_size = getattr(self.model, "pp_hidden_size", None) or self.model.config.hidden_size
-            dtype = next(self.model.parameters()).dtype
-            intermediate = pp.recv_tensors([(total, hidden_size)] * self.model.pp_num_intermediate, dtype, self.device)
-        with set_attention_metadata(inputs.attn_metadata):
-            out = self.model(inputs.input_ids, inputs.positions, intermediate)
-        self.num_forward_tokens += total
-        if not pp.is_last:
-            pp.send_tensors(out)
-        return out
 
     # ---- 4. sample -------------------------------------------------------------------------
     def _sample(self, inputs: StepInputs, hidden: torch.Tensor, grammar=None) -> tuple[list[int], dict[str, Logprobs]]:
@@ -231,9 +222,7 @@ class ModelRunner:
             ids = out.sampled
         else:
             ids = torch.empty(len(rows), dtype=torch.long)
-        if self.tp.world_size > 1 and self.pp is None:  # sampled once on rank 0; every rank appends the same tokens
-            ids = ids.cpu()
-            torch.distributed.broadcast(ids, src=0, group=self.tp.cpu_group)
+        ids = self._share_sampled(ids)  # sampled once on rank 0; every rank appends the same tokens
         sampled = ids.tolist()  # the step's one device->host sync
         if out is None or out.logprob_ids is None:
             return sampled, {}

@@ -22,6 +22,7 @@ from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activatio
 from pagedllm.worker.cpu_threads import CpuThreadDecision, configure_cpu_threads, thread_governor
 from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.runner_plugins import RunnerPlugins
 
 logger = logging.getLogger(__name__)
 
@@ -303,28 +304,9 @@ class Worker:
                 layer.bind(self.backend, self.kv_cache[:, i])
             else:
                 layer.bind(self.backend, self.kv_cache[:, i], self.kv_scales[:, i])
-        self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed)
-        self.runner.lora = self.lora
-        if self.config.speculative_config is not None:  # spec_decode/: proposers and verification
-            from pagedllm.spec_decode.decoder import SpecDecoder
-
-            if self.drafter is not None:
-                self.drafter.allocate(num_blocks, self.backend)
-            sampler = self.runner.sampler
-            self.runner.spec = SpecDecoder(self.config.speculative_config, sampler.generator if sampler else None,
-                                           self.drafter)
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
-                logger.info("CUDA graphs are not used with tensor or pipeline parallelism yet: running eagerly")
-            elif self.lora is not None:
-                logger.info("CUDA graphs are not used with LoRA adapters yet: running eagerly")
-            else:
-                from pagedllm.worker.cuda_graphs import DecodeGraphRunner
-
-                graphs = DecodeGraphRunner(self.model, min(self.config.max_num_seqs, 512),
-                                           -(-self.max_model_len // spec.block_size), self.max_model_len, self.device)
-                graphs.capture()
-                self.runner.graph_runner = graphs
+        self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed,
+                                  RunnerPlugins(lora=self.lora, spec=self._spec_plugin(num_blocks),
+                                                graphs=self._graph_plugin()))
         if leader:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tokens = num_blocks * spec.block_size
@@ -353,6 +335,34 @@ class Worker:
                 logger.info("KV cache per token: %d bytes of compressed latent + rope key (the same attention as "
                             "MHA would cache %d bytes: %.1fx more)", spec.bytes_per_token, equivalent,
                             equivalent / spec.bytes_per_token)
+
+    def _spec_plugin(self, num_blocks: int):
+        """Speculative decoding (spec_decode/): proposers and verification, drawing from the
+        sampling rank's generator (the runner makes it)."""
+        if self.config.speculative_config is None:
+            return None
+        from pagedllm.spec_decode.decoder import SpecDecoder
+
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks, self.backend)
+        return lambda generator: SpecDecoder(self.config.speculative_config, generator, self.drafter)
+
+    def _graph_plugin(self):
+        """CUDA graphs of decode steps, unless enforce_eager (or a feature they do not cover yet)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return None
+        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
+            logger.info("CUDA graphs are not used with tensor or pipeline parallelism yet: running eagerly")
+            return None
+        if self.lora is not None:
+            logger.info("CUDA graphs are not used with LoRA adapters yet: running eagerly")
+            return None
+        from pagedllm.worker.cuda_graphs import DecodeGraphRunner
+
+        graphs = DecodeGraphRunner(self.model, min(self.config.max_num_seqs, 512),
+                                   -(-self.max_model_len // self.kv_spec.block_size), self.max_model_len, self.device)
+        graphs.capture()
+        return graphs
 
     def execute(self, scheduler_output, grammar=None):
         if self.thread_governor is not None:
