@@ -139,26 +139,27 @@ class BeamUnit:
         return ADMITTED
 
     # ---- results -----------------------------------------------------------------------------
-    def on_output(self, sched, so: SchedulerOutput, out: ModelRunnerOutput, row: int) -> list[EngineCoreOutput]:
+    def on_output(self, sched, so: SchedulerOutput, out: ModelRunnerOutput, row: int,
+                  outputs: list[EngineCoreOutput]) -> None:
         """The group advances once per step, at its first row (its rows sample nothing)."""
         group = self.group
         cands = out.beam_candidates.get(group.group_id)
         if cands is None or out.req_ids[row] != group.beams[0].request_id:
-            return []
+            return
         live = {b.request_id for b in group.beams}
         if not set(cands.parent_ids) <= live or any(
                 b.status != RequestStatus.RUNNING or b.num_computed_tokens < b.num_tokens for b in group.beams):
-            return []  # preempted or aborted while the step ran
+            return  # preempted or aborted while the step ran
         nxt = group.advance(cands, sched.limits.max_model_len)
         if group.done:
-            return [self.finish(sched, None)]
+            outputs.append(self.finish(sched, None))
+            return
         children = [self._child(sched, parent, tok) for parent, tok, _ in nxt]
         old = group.beams
         sched.replace_running(old, children)
         for b in old:
             sched.retire(b)
         group.adopt(children, nxt, cands)
-        return []
 
     def _child(self, sched, parent: Request, token: int) -> Request:
         child = Request(self.group.new_beam_id(), parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,

@@ -17,6 +17,7 @@ from pagedllm.core.request import Request
 
 class LookAheadPolicy(Protocol):
     governor: Optional[object]  # speculative decoding's SpecGovernor (None: always speculate)
+    counts: list[int]  # rows verified with drafts, drafts, accepted drafts
 
     def start_step(self, num_running: int) -> None: ...
 
@@ -37,6 +38,9 @@ class LookAheadPolicy(Protocol):
 
 class NoLookAhead:
     governor = None
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
 
     def start_step(self, num_running: int) -> None:
         pass

@@ -95,6 +95,11 @@ class Scheduler:
     def spec_governor(self, governor) -> None:
         self.look_ahead.governor = governor
 
+    @property
+    def spec_stats(self) -> list[int]:
+        """Speculative decoding: verification rows with drafts, drafts, accepted drafts."""
+        return self.look_ahead.counts
+
     # ---- admission --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -132,11 +137,18 @@ class Scheduler:
         return plan.excludes(unit) or any(c.holds_back(unit) for c in self.constraints)
 
     def _schedule_running(self, plan: StepPlan) -> None:
+        running = self.running
+        checked = bool(self.constraints) or plan.only is not None  # else only the budget limits the loop
         i = 0
-        while i < len(self.running) and not self._batch_full(plan):
-            unit = self.running[i].unit
+        while i < len(running) and plan.budget > 0:
+            unit = running[i].unit
             n = len(unit.requests)
-            if not self._held_back(unit, plan) and not unit.schedule_running(self, plan):
+            if checked and self._batch_full(plan):
+                break
+            if checked and self._held_back(unit, plan):
+                i += n
+                continue
+            if not unit.schedule_running(self, plan):
                 break  # it preempted itself: nothing after it is running anymore
             i += n
 
@@ -190,7 +202,7 @@ class Scheduler:
         return min(num_new, budget)
 
     def fits_step(self, unit: SchedulingUnit) -> bool:
-        return all(c.fits_step(unit) for c in self.constraints)
+        return not self.constraints or all(c.fits_step(unit) for c in self.constraints)
 
     def acquire(self, unit: SchedulingUnit) -> bool:
         """Every constraint's hold for a waiting unit, or none (what was taken is given back)."""
@@ -323,11 +335,12 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        requests, running = self.requests, RequestStatus.RUNNING
         for row, rid in enumerate(runner_output.req_ids):
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
+            req = requests.get(rid)
+            if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            outputs.extend(req.unit.on_output(self, so, runner_output, row))
+            req.unit.on_output(self, so, runner_output, row, outputs)
         self.look_ahead.end_output()
         return outputs
 

@@ -13,8 +13,8 @@ The protocol, as the loop (core/scheduler.py) uses it:
 - ``admit(sched, plan)``: a waiting unit at the head of the queue joins the batch whole
   (ADMITTED), is set aside while the ones behind it go on (SET_ASIDE: an admission constraint
   said no), or is BLOCKED (no budget or no blocks: nothing behind it is admitted this step);
-- ``on_output(sched, so, out, row)``: the step's results for it (``row``: its first row in
-  ``out``), as EngineCoreOutputs;
+- ``on_output(sched, so, out, row, outputs)``: the step's results for it (``row``: its row in
+  ``out``), appended to ``outputs`` as EngineCoreOutputs;
 - ``finish(sched, status)``: it ends (aborted, stopped, failed), every block back.
 Preemption is not the unit's: the scheduler frees a unit's requests and requeues them together.
 """
@@ -72,7 +72,8 @@ class SchedulingUnit(Protocol):
 
     def admit(self, sched, plan: StepPlan) -> str: ...
 
-    def on_output(self, sched, so: SchedulerOutput, out: ModelRunnerOutput, row: int) -> list[EngineCoreOutput]: ...
+    def on_output(self, sched, so: SchedulerOutput, out: ModelRunnerOutput, row: int,
+                  outputs: list[EngineCoreOutput]) -> None: ...
 
     def finish(self, sched, status: RequestStatus) -> Optional[EngineCoreOutput]: ...
 
@@ -101,9 +102,11 @@ class RequestUnit:
             return True
         spec = sched.look_ahead.slots(req, num_new, plan.budget, len(sched.running))
         num_new += spec
-        new_block_ids = sched.make_room(self, lambda: sched.kv.allocate_slots(req, num_new), plan)
+        new_block_ids = sched.kv.allocate_slots(req, num_new)
         if new_block_ids is None:
-            return False
+            new_block_ids = sched.make_room(self, lambda: sched.kv.allocate_slots(req, num_new), plan)
+            if new_block_ids is None:
+                return False
         plan.take(req.request_id, num_new)
         if spec:
             plan.spec_slots[req.request_id] = spec
@@ -127,17 +130,21 @@ class RequestUnit:
         sched.send(req, plan)
         return ADMITTED
 
-    def on_output(self, sched, so: SchedulerOutput, out: ModelRunnerOutput, row: int) -> list[EngineCoreOutput]:
+    def on_output(self, sched, so: SchedulerOutput, out: ModelRunnerOutput, row: int,
+                  outputs: list[EngineCoreOutput]) -> None:
         req = self.request
         rid = req.request_id
         sampled = out.sampled_token_ids[row]
-        reserved = so.num_spec_slots.get(rid, 0)
-        if reserved and sampled:
-            drafts = out.num_draft_tokens[row] if out.num_draft_tokens is not None else 0
-            sched.look_ahead.settle(req, reserved, drafts, len(sampled))
-        prompt_lp = out.prompt_logprobs.get(rid)
+        if so.num_spec_slots:
+            reserved = so.num_spec_slots.get(rid, 0)
+            if reserved and sampled:
+                drafts = out.num_draft_tokens[row] if out.num_draft_tokens is not None else 0
+                sched.look_ahead.settle(req, reserved, drafts, len(sampled))
+        prompt_lp = out.prompt_logprobs.get(rid) if out.prompt_logprobs else None
         if not sampled:
-            return [EngineCoreOutput(rid, [], prompt_logprobs=prompt_lp)] if prompt_lp is not None else []
+            if prompt_lp is not None:
+                outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=prompt_lp))
+            return
         new_ids: list[int] = []
         status: Optional[RequestStatus] = None
         for tok in sampled:
@@ -148,9 +155,10 @@ class RequestUnit:
                 break
         if status is not None:
             sched.finish(req, status)
-        return [EngineCoreOutput(rid, new_ids, finish_reason=finish_reason_of(status) if status is not None else None,
-                                 stop_reason=req.stop_reason, logprobs=out.logprobs.get(rid),
-                                 prompt_logprobs=prompt_lp, num_cached_tokens=max(req.num_cached_tokens, 0))]
+        outputs.append(EngineCoreOutput(rid, new_ids, finish_reason=finish_reason_of(status) if status is not None
+                                        else None, stop_reason=req.stop_reason,
+                                        logprobs=out.logprobs.get(rid) if out.logprobs else None,
+                                        prompt_logprobs=prompt_lp, num_cached_tokens=max(req.num_cached_tokens, 0)))
 
     def finish(self, sched, status: RequestStatus) -> Optional[EngineCoreOutput]:
         sched.finish(self.request, status)
