@@ -154,27 +154,20 @@ class BeamUnit:
         if group.done:
             outputs.append(self.finish(sched, None))
             return
-        children = [self._child(sched, parent, tok) for parent, tok, _ in nxt]
+        children: list[Request] = []
+        try:
+            for parent, tok, _ in nxt:
+                children.append(_child(sched, group, parent, tok))
+        except Exception:
+            for c in children:  # their forked block references go back before the group fails
+                sched.kv.free(c)
+                sched.requests.pop(c.request_id, None)
+            raise
         old = group.beams
         sched.replace_running(old, children)
         for b in old:
             sched.retire(b)
         group.adopt(children, nxt, cands)
-
-    def _child(self, sched, parent: Request, token: int) -> Request:
-        child = Request(self.group.new_beam_id(), parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,
-                        arrival_time=parent.arrival_time, cache_salt=parent.cache_salt, priority=parent.priority)
-        child.output_token_ids = parent.output_token_ids + [token]
-        child.all_token_ids = parent.all_token_ids + [token]
-        child.status = RequestStatus.RUNNING
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.num_preemptions = parent.num_preemptions
-        child.beam = self.group
-        child.unit = self
-        fork_blocks(sched.kv, parent, child)
-        sched.register(child)
-        return child
 
     def finish(self, sched, status: Optional[RequestStatus]) -> EngineCoreOutput:
         """The search is over (``status`` None: it ended by its rules; else aborted / stopped / error)."""
@@ -185,9 +178,26 @@ class BeamUnit:
             sched.retire(b, uncache=status == RequestStatus.FINISHED_ERROR)
         sched.beam_groups.pop(group.group_id, None)
         group.done = True
-        results = group.results()
+        results = group.results() if status != RequestStatus.FINISHED_ERROR else []  # the failure path scores nothing
         reason = results[0].finish_reason if status is None and results else None
         if status is not None:
             reason = _STATUS_REASONS.get(status, "stop")
         return EngineCoreOutput(group.group_id, [], finish_reason=reason or "length", beam_hypotheses=results,
                                 num_cached_tokens=max(group.beams[0].num_cached_tokens, 0) if group.beams else 0)
+
+
+def _child(sched, group: BeamGroup, parent: Request, token: int) -> Request:
+    """A child beam: its parent's sequence plus ``token``, sharing the parent's blocks."""
+    child = Request(group.new_beam_id(), parent.prompt_token_ids, parent.sampling_params, parent.max_tokens,
+                    arrival_time=parent.arrival_time, cache_salt=parent.cache_salt, priority=parent.priority)
+    child.output_token_ids = parent.output_token_ids + [token]
+    child.all_token_ids = parent.all_token_ids + [token]
+    child.status = RequestStatus.RUNNING
+    child.num_computed_tokens = parent.num_computed_tokens
+    child.num_cached_tokens = parent.num_cached_tokens
+    child.num_preemptions = parent.num_preemptions
+    child.beam = group
+    child.unit = parent.unit
+    fork_blocks(sched.kv, parent, child)
+    sched.register(child)
+    return child

@@ -17,6 +17,7 @@ until the allocation succeeds or the unit itself was the victim.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
@@ -38,6 +39,7 @@ from pagedllm.core.scheduling_policy import make_policy
 from pagedllm.core.scheduling_units import BLOCKED, SET_ASIDE, RequestUnit, SchedulingUnit, StepPlan
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -308,6 +310,9 @@ class Scheduler:
             plan.new_reqs.append(self.new_request_data(req))
 
     def check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        return self._check_stop(req, token)
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         sp = req.sampling_params
         if req.num_output_tokens >= sp.min_tokens and token in sp.all_stop_token_ids:
             req.stop_reason = None if token not in sp.stop_token_ids else token
@@ -340,7 +345,12 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != running:
                 continue  # aborted or preempted while the step ran
-            req.unit.on_output(self, so, runner_output, row, outputs)
+            try:  # a failure here is this request's (or beam group's) alone: it finishes with "error"
+                req.unit.on_output(self, so, runner_output, row, outputs)
+            except Exception:
+                uid = req.unit.unit_id
+                logger.exception("request %s: applying its step output failed; it finishes with \"error\"", uid)
+                outputs.extend(self.fail_request(uid))
         self.look_ahead.end_output()
         return outputs
 
@@ -355,6 +365,23 @@ class Scheduler:
                 unit.finish(self, status)
                 done.append(unit.unit_id)
         return done
+
+    def fail_request(self, rid: str) -> list[EngineCoreOutput]:
+        """Something raised for this request (or beam group) alone: it finishes with "error", its
+        blocks freed (and uncached: what they hold is suspect); the output tells its caller."""
+        group = rid in self.beam_groups  # a beam search's result: no hypotheses
+        try:
+            self.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+        except Exception:  # its bookkeeping is broken: forget it (its blocks may be lost), keep the engine
+            logger.exception("request %s: finishing it after a failure raised too", rid)
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                req.status = RequestStatus.FINISHED_ERROR
+                self.running[:] = [r for r in self.running if r is not req]
+                if req in self.waiting:
+                    self.waiting.remove(req)
+            self.beam_groups.pop(rid, None)
+        return [EngineCoreOutput(rid, [], finish_reason="error", beam_hypotheses=[] if group else None)]
 
     def fail_step(self, scheduler_output: SchedulerOutput) -> list[EngineCoreOutput]:
         """The step's execution raised: finish every request it scheduled with "error" (their
