@@ -7,7 +7,7 @@ all-greedy batch builds no tensor at all.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -63,6 +63,31 @@ class SamplingRowState(Protocol):
 
     @property
     def num_output_tokens(self) -> int: ...
+
+
+# SamplingParams fields that change nothing a greedy row's sampling metadata holds (the token is the
+# argmax whatever they are; stops are the scheduler's, constraints attach their masks afterwards).
+# Any other field at a value other than its default (a parameter added later included) sends the
+# row through build_sampling_metadata.
+_NOT_SAMPLING = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
+                 "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs",
+                 "skip_special_tokens", "spaces_between_special_tokens", "structured_outputs", "guided_decoding",
+                 "_all_stop_token_ids"}
+_SAMPLING_DEFAULTS = [(f.name, f.default) for f in fields(SamplingParams) if f.name not in _NOT_SAMPLING]
+
+
+def is_plain_greedy(sp: SamplingParams) -> bool:
+    """Greedy with nothing else to build per row (no bias, min_tokens, penalties, logprobs, ...):
+    a batch of only such rows samples with ``greedy_metadata()``. Decided once per request."""
+    return sp.is_greedy and all(getattr(sp, name) == default for name, default in _SAMPLING_DEFAULTS)
+
+
+def greedy_metadata() -> SamplingMetadata:
+    """The metadata of a batch of plain greedy rows (``is_plain_greedy``): argmax, nothing built."""
+    return SamplingMetadata(all_greedy=True, greedy_rows=None, temperature=None, top_k=None, top_p=None, min_p=None,
+                            generators={}, bias_rows=None, bias_cols=None, bias_vals=None, ban_rows=None,
+                            ban_cols=None, presence=None, frequency=None, repetition=None, seen_rows=None,
+                            seen_cols=None, seen_output_counts=None, max_num_logprobs=None)
 
 
 def build_sampling_metadata(

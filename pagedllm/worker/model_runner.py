@@ -37,10 +37,10 @@ from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.block_copy import copy_blocks, layer_cache_planes
 from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
-from pagedllm.sample.metadata import build_sampling_metadata
+from pagedllm.sample.metadata import build_sampling_metadata, greedy_metadata, is_plain_greedy
 from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
 from pagedllm.worker.beam_rows import score_beam_rows
-from pagedllm.worker.input_batch import CachedRequestState, StepInputs, build_block_table
+from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.runner_plugins import (
     EagerForward,
     GraphForward,
@@ -67,6 +67,8 @@ class ModelRunner:
         self.is_sampler = self.tp.rank == 0 and (self.pp is None or self.pp.is_last)
         self.sampler = Sampler(seed, device) if self.is_sampler else None
         self.requests: dict[str, CachedRequestState] = {}
+        self.batch = InputBatch()  # every held request's row: block ids, sampling facts (kept across steps)
+        self.block_table = self.batch.block_table
         # Seeded generators outlive preemption (the worker forgets a preempted request's state,
         # but its random stream must continue where it stopped).
         self.generators: dict[str, torch.Generator] = {}
@@ -117,10 +119,10 @@ class ModelRunner:
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
             self.generators.pop(rid, None)
         for rid in so.preempted_req_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         for slot, handle in so.lora_loads:  # adapters the scheduler put into slots for this step
             self.lora.load(slot, handle)
         if so.block_copies:  # beam search copy-on-write, before any K/V is written
@@ -131,23 +133,30 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(nr.sampling_params.seed)
                 self.generators[nr.req_id] = gen
+            self._drop(nr.req_id)  # a beam is sent in full every step
             self.requests[nr.req_id] = CachedRequestState(
                 req_id=nr.req_id,
                 token_ids=list(nr.token_ids),
                 num_prompt_tokens=nr.num_prompt_tokens,
                 sampling_params=nr.sampling_params,
-                block_ids=list(nr.block_ids),
+                table=self.block_table,
+                row=self.batch.add(nr.block_ids, is_plain_greedy(nr.sampling_params) and nr.beam is None),
                 num_computed_tokens=nr.num_computed_tokens,
                 generator=gen,
                 beam=nr.beam,
                 lora_slot=nr.lora_slot,
             )
+        table = self.block_table
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
-            if cr.num_dropped_block_ids:  # blocks of rejected drafts went back to the pool
-                del st.block_ids[-cr.num_dropped_block_ids:]
-            st.block_ids.extend(cr.new_block_ids)
+            if cr.new_block_ids or cr.num_dropped_block_ids:  # dropped: blocks of rejected drafts went back
+                table.append(st.row, cr.new_block_ids, cr.num_dropped_block_ids)
             st.num_computed_tokens = cr.num_computed_tokens
+
+    def _drop(self, req_id: str) -> None:
+        st = self.requests.pop(req_id, None)
+        if st is not None:
+            self.batch.remove(st.row)
 
     # ---- 2. prepare inputs ------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None) -> StepInputs:
@@ -173,7 +182,8 @@ class ModelRunner:
                 input_ids.extend(drafts.get(s.req_id, ()))
         req_of_token = np.repeat(np.arange(len(req_ids)), n_sched)
         positions = np.arange(total) - qsl[:-1][req_of_token] + starts[req_of_token]
-        block_table = build_block_table(states)
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        block_table = self.block_table.gather(rows)
         bs = self.block_size
         slots = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
@@ -186,6 +196,7 @@ class ModelRunner:
         return StepInputs(
             req_ids=req_ids,
             states=states,
+            rows=rows,
             starts=starts,
             num_scheduled=n_sched,
             seq_lens=seq_lens,
@@ -215,7 +226,10 @@ class ModelRunner:
         sample_states = [inputs.states[i] for i in rows]
         out: Optional[SamplerOutput] = None
         if self.is_sampler:
-            md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
+            if self.batch.plain_greedy[inputs.rows[rows]].all():  # the usual batch: nothing to build per row
+                md = greedy_metadata()
+            else:
+                md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
             if grammar is not None:
                 self._attach_grammar(md, sample_states, grammar)
             out = self.sampler(logits, md)
