@@ -13,15 +13,16 @@ from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig, fit_max_model_len
 from pagedllm.models.loader import load_weights
 from pagedllm.layers.linear import linear_weights_on_meta
-from pagedllm.models.quantized import finish_quantized_layers, prepare_quantized_layers, quantize_linear_layers
+from pagedllm.models.quantized import finish_quantized_layers, quantize_linear_layers
 from pagedllm.quantization.registry import resolve_quantization
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.models.pipeline import check_pipeline_support
-from pagedllm.worker.cpu_memory import cpu_kv_cache_memory, keep_freed_activations
-from pagedllm.worker.cpu_threads import CpuThreadDecision, configure_cpu_threads, thread_governor
+from pagedllm.worker.cpu_memory import cpu_kv_cache_memory
+from pagedllm.worker.cpu_threads import CpuThreadDecision, thread_governor
 from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.platform import make_platform
 from pagedllm.worker.runner_plugins import RunnerPlugins
 
 logger = logging.getLogger(__name__)
@@ -121,13 +122,9 @@ class Worker:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.cpu_description: dict | None = None  # CPU model, flags and kernel level (CPU only)
         self.cpu_threads: CpuThreadDecision | None = None  # threads, binding, quota and why (CPU only)
+        self.platform = make_platform(self.device)  # the device's differences, chosen once (worker/platform.py)
         torch.manual_seed(config.seed)
-        if self.device.type == "cpu":
-            tp, pp = get_tp_group(), get_pp_group()
-            if pp.world_size > 1:  # every rank of every stage shares the host's cores
-                self.cpu_threads = configure_cpu_threads(config, pp.global_rank, pp.global_world)
-            else:
-                self.cpu_threads = configure_cpu_threads(config, tp.rank, tp.world_size)
+        self.cpu_threads = self.platform.configure_threads(config)
         self.thread_governor = thread_governor(config, self.cpu_threads) if self.cpu_threads else None
         model_cls = resolve_model_class(hf_config)
         check_pipeline_support(model_cls)
@@ -144,26 +141,7 @@ class Worker:
         load_weights(self.model, config.model)
         finish_quantized_layers(self.model)
         self.model.eval()
-        if self.device.type == "cpu":
-            from pagedllm.kernels import cpu as cpu_kernels
-            from pagedllm.layers.cpu_gemm import gemm_forms, pack_linear_weights
-
-            # Built once per machine and cached on disk (`make` prebuilds them); the weights are
-            # packed for their GEMM, and every layer takes what they support (for_tensor).
-            if config.cpu_kernels:
-                cpu_kernels.load(config.kernel_cache_dir)
-            pack_linear_weights(self.model, self.dtype, config.cpu_gemm, config.kernel_cache_dir)
-            prepare_quantized_layers(self.model)  # quantized weights in the quantized GEMM kernels' layout
-            for module in [m for m in self.model.modules() if hasattr(m, "pack_for_cpu")]:
-                module.pack_for_cpu(self.dtype)  # MoE experts: each expert's projections
-            keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS
-            self.cpu_description = dict(cpu_kernels.describe(), gemm_mode=config.cpu_gemm,
-                                        gemm_forms=gemm_forms(self.model), threads=self.cpu_threads.as_dict())
-            d = self.cpu_description
-            forms = ", ".join(f"{k} {v}" for k, v in d["gemm_forms"].items() if v)
-            logger.info("CPU %s (%s), %d threads, %s: kernels %s (level %s, best for this CPU %s); linear layers "
-                        "(cpu_gemm=%s): %s", d["cpu_model"], " ".join(d["cpu_flags"]), torch.get_num_threads(),
-                        self.dtype, d["kernels"], d["isa"], d["isa_cpu_best"], config.cpu_gemm, forms or "none")
+        self.cpu_description = self.platform.prepare_model(self.model, self.dtype, config, self.cpu_threads)
         self.lora = None  # LoRA: the model's projections wrapped with adapter slots (after packing)
         if config.enable_lora:
             from pagedllm.lora.slots import LoRASlotManager
@@ -226,10 +204,7 @@ class Worker:
         spec = self.kv_spec
         if self.config.num_gpu_blocks_override is not None:
             return self.config.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            budget = self._profile_cuda_budget()
-        else:
-            budget = self._cpu_budget()
+        budget = self.platform.kv_budget(self)
         draft_bytes = self.drafter.bytes_per_block if self.drafter is not None else 0  # its cache: same blocks
         num_blocks = int(budget // (spec.bytes_per_block + draft_bytes))
         # Never allocate more than every sequence at full length could use.
@@ -238,7 +213,7 @@ class Worker:
             self.budget_note += f"; capped at max_num_seqs x max_model_len ({useful} blocks)"
         return min(num_blocks, useful)
 
-    def _cpu_budget(self) -> int:
+    def cpu_kv_budget(self) -> int:
         """kv_cache_memory if set; else this rank's share of cpu_memory_utilization x the host
         memory still available (cgroup limits respected), less one step's activations."""
         tp = get_tp_group()
@@ -258,7 +233,7 @@ class Worker:
                             + " - activations = " + gib(budget))
         return budget
 
-    def _profile_cuda_budget(self) -> int:
+    def cuda_kv_budget(self) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         free, total = torch.cuda.mem_get_info()
@@ -306,7 +281,7 @@ class Worker:
                 layer.bind(self.backend, self.kv_cache[:, i], self.kv_scales[:, i])
         self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed,
                                   RunnerPlugins(lora=self.lora, spec=self._spec_plugin(num_blocks),
-                                                graphs=self._graph_plugin()))
+                                                graphs=self.platform.graph_plugin(self)))
         if leader:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tokens = num_blocks * spec.block_size
@@ -317,7 +292,7 @@ class Worker:
                 where += f", pipeline stage {pp.rank} of {pp.world_size}: layers {start}..{end - 1}"
             logger.info("memory plan (%s): weights %s; activations %s%s (%d tokens per step); KV cache %s = %d "
                         "blocks x %d tokens = %d tokens (%s per token); max concurrency at max_model_len %d: %.1f",
-                        where, gib(weights), "~" if self.device.type == "cpu" else "", gib(self.activation_bytes),
+                        where, gib(weights), "~" if self.platform.estimates_activations else "", gib(self.activation_bytes),
                         self.max_num_batched_tokens, gib(num_blocks * spec.bytes_per_block), num_blocks,
                         spec.block_size, tokens, gib(spec.bytes_per_block // spec.block_size), self.max_model_len,
                         tokens / self.max_model_len)
@@ -346,23 +321,6 @@ class Worker:
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, self.backend)
         return lambda generator: SpecDecoder(self.config.speculative_config, generator, self.drafter)
-
-    def _graph_plugin(self):
-        """CUDA graphs of decode steps, unless enforce_eager (or a feature they do not cover yet)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return None
-        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
-            logger.info("CUDA graphs are not used with tensor or pipeline parallelism yet: running eagerly")
-            return None
-        if self.lora is not None:
-            logger.info("CUDA graphs are not used with LoRA adapters yet: running eagerly")
-            return None
-        from pagedllm.worker.cuda_graphs import DecodeGraphRunner
-
-        graphs = DecodeGraphRunner(self.model, min(self.config.max_num_seqs, 512),
-                                   -(-self.max_model_len // self.kv_spec.block_size), self.max_model_len, self.device)
-        graphs.capture()
-        return graphs
 
     def execute(self, scheduler_output, grammar=None):
         if self.thread_governor is not None:
