@@ -44,6 +44,7 @@ from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInpu
 from pagedllm.worker.runner_plugins import (
     EagerForward,
     GraphForward,
+    NoSpec,
     PipelineStageForward,
     RunnerPlugins,
 )
@@ -74,7 +75,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
         self.lora = plugins.lora
-        self.spec = plugins.spec(self.sampler.generator if self.sampler else None) if plugins.spec else None
+        self.spec = plugins.spec(self.sampler.generator if self.sampler else None) if plugins.spec else NoSpec()
         eager = EagerForward(model, self.lora)
         self._forward_path = (PipelineStageForward(model, self.pp, device) if self.pp is not None
                               else GraphForward(plugins.graphs, eager) if plugins.graphs is not None else eager)
@@ -90,7 +91,7 @@ class ModelRunner:
         self._apply_diffs(so)
         if so.is_empty:
             return ModelRunnerOutput([], [])
-        drafts, draft_probs = self.spec.propose(self, so) if self.spec is not None else (None, None)
+        drafts, draft_probs = self.spec.propose(self, so)
         inputs = self._prepare_inputs(so, drafts)
         hidden = self._forward(inputs)
         if self._ends_at_stage:  # the next stage has the hidden states now
@@ -104,8 +105,7 @@ class ModelRunner:
         else:
             sampled, logprobs = self._sample(inputs, hidden, grammar)
             sampled_lists = self._update_states(inputs, sampled)
-        if self.spec is not None:  # EAGLE: the target's hidden states of the computed positions
-            self.spec.observe(self, inputs, hidden)
+        self.spec.observe(self, inputs, hidden)  # EAGLE: the target's hidden states of the computed positions
         return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs,
                                  num_draft_tokens=num_drafts, beam_candidates=beams)
 

@@ -49,6 +49,19 @@ class GraphPlugin(Protocol):
             seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor: ...
 
 
+class NoSpec:
+    """Without speculative decoding: nothing proposed, nothing observed."""
+
+    def propose(self, runner, so):
+        return None, None
+
+    def verify(self, runner, inputs: StepInputs, hidden: torch.Tensor, drafts, draft_probs):
+        raise RuntimeError("no speculative decoding: nothing to verify")
+
+    def observe(self, runner, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        pass
+
+
 @dataclass(frozen=True)
 class RunnerPlugins:
     """What a worker gives its runner. ``spec`` is a factory: the verifier draws from the sampling
