@@ -108,11 +108,16 @@ class KVCacheManager:
         """Returns the ids of newly added blocks (cache hits first), or None when there is no room."""
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be > 0")
-        if (not new_computed_blocks and not num_new_computed_tokens and self.sliding_window is None
-                and self._fits_held(request, num_new_tokens)):
-            return []  # the usual decode step: its slots are in the blocks it holds, no block filled up
+        held = self.req_blocks.get(request.request_id)
+        if held is not None and not new_computed_blocks and not num_new_computed_tokens and self.sliding_window is None:
+            # the usual decode step: its slots are in the blocks it holds and no block fills up (the
+            # general path below would do nothing)
+            after = request.num_computed_tokens + num_new_tokens
+            if -(-after // self.block_size) <= len(held) and (not self.enable_prefix_caching or after // self.block_size
+                                                               <= self.num_cached_blocks.get(request.request_id, 0)):
+                return []
         new_computed_blocks = new_computed_blocks or []
-        held = self.req_blocks.get(request.request_id, [])
+        held = held if held is not None else []
         num_held = len(held)
         first_new_pos = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_after = first_new_pos + num_new_tokens
@@ -150,18 +155,6 @@ class KVCacheManager:
                     self.pool.cache_block(blocks[i], request.block_hashes[i])
             self.num_cached_blocks[request.request_id] = max(start, num_full)
         return [b.block_id for b in blocks[num_held:]]
-
-    def _fits_held(self, request: Request, num_new_tokens: int) -> bool:
-        """A running request's new tokens fit in its held blocks and fill no block to register in
-        the prefix cache: allocate_slots has nothing to do (its general path would do nothing)."""
-        held = self.req_blocks.get(request.request_id)
-        if held is None:
-            return False
-        after = request.num_computed_tokens + num_new_tokens
-        if -(-after // self.block_size) > len(held):
-            return False
-        return not self.enable_prefix_caching or after // self.block_size <= self.num_cached_blocks.get(
-            request.request_id, 0)
 
     # ---- sliding window ---------------------------------------------------------------------
     def _num_dead_blocks(self, first_new_pos: int) -> int:

@@ -6,7 +6,8 @@ together. Every Request points at its unit (``Request.unit``); a unit's requests
 other in the scheduler's running batch and waiting queue, in the unit's order.
 
 The protocol, as the loop (core/scheduler.py) uses it:
-- ``unit_id``: the id its caller knows it by; ``requests``: the unit's live sequences; ``lora``: the adapter it runs with (None: the base model);
+- ``unit_id``: the id its caller knows it by; ``requests``: the unit's live sequences; ``lora``:
+  the adapter it runs with (None: the base model);
 - ``schedule_running(sched, plan)``: take this step's tokens for a running unit out of
   ``plan.budget`` and allocate their slots (through ``sched.make_room``, the one preemption
   routine); False when making room preempted the unit itself (nothing after it runs);
