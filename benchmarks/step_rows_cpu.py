@@ -72,11 +72,13 @@ def main() -> None:
                 if cur is None or v["cpu_ms"] < cur["cpu_ms"]:
                     best[name][b] = v
     lo, hi = str(batches[0] if len(batches) < 3 else batches[-2]), str(batches[-1])
-    rows = []
+    rows, per_row_col = [], f"us/row {lo}->{hi}"
     for name, _ in trees:
         per_row = (best[name][hi]["cpu_ms"] - best[name][lo]["cpu_ms"]) / (int(hi) - int(lo)) * 1e3
-        rows.append([name] + [f"{best[name][str(b)]['cpu_ms']:.2f}" for b in batches] + [f"{per_row:.1f}"])
-    print_table(["tree"] + [f"B={b} cpu ms/step" for b in batches] + [f"us/row {lo}->{hi}"], rows)
+        row = {"tree": name, per_row_col: f"{per_row:.1f}"}
+        row.update({f"B={b} cpu ms/step": f"{best[name][str(b)]['cpu_ms']:.2f}" for b in batches})
+        rows.append(row)
+    print_table(rows, ["tree"] + [f"B={b} cpu ms/step" for b in batches] + [per_row_col])
     write_json(args.out, {"best": best, "trees": dict(trees), "batches": batches, "rounds": args.rounds,
                           "load_before": load_before, "load_after": load_average(),
                           "command": " ".join(sys.argv)})
