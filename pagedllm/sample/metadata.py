@@ -7,7 +7,7 @@ all-greedy batch builds no tensor at all.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -72,8 +72,9 @@ class SamplingRowState(Protocol):
 _NOT_SAMPLING = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
                  "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs",
                  "skip_special_tokens", "spaces_between_special_tokens", "structured_outputs", "guided_decoding",
-                 "_all_stop_token_ids"}
-_SAMPLING_DEFAULTS = [(f.name, f.default) for f in fields(SamplingParams) if f.name not in _NOT_SAMPLING]
+                 "_all_stop_token_ids", "truncate_prompt_tokens", "detokenize"}
+_SAMPLING_DEFAULTS = [(f.name, f.default if f.default is not MISSING else f.default_factory())
+                      for f in fields(SamplingParams) if f.name not in _NOT_SAMPLING]
 
 
 def is_plain_greedy(sp: SamplingParams) -> bool:
