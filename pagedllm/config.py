@@ -8,6 +8,9 @@ from typing import Optional
 
 from pagedllm import envs
 
+# The scheduler's policies (pagedllm/core/scheduling_policy.py registers one class per name).
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight quantization (pagedllm/quantization/): checkpoint formats, and int8/fp8 quantized at load.
 QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
@@ -254,10 +257,9 @@ class EngineConfig:
         if self.max_loras_per_step is not None and not 1 <= self.max_loras_per_step <= self.max_loras:
             raise ValueError(f"max_loras_per_step must be in 1..max_loras ({self.max_loras}), got "
                              f"{self.max_loras_per_step}")
-        from pagedllm.core.scheduling_policy import POLICIES
-
-        if self.scheduling_policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got "
+                             f"{self.scheduling_policy!r}")
         if self.cpu_gemm not in ("auto", "pagedllm", "onednn"):
             raise ValueError(f"cpu_gemm must be 'auto', 'pagedllm' or 'onednn', got {self.cpu_gemm!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

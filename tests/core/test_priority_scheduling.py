@@ -4,6 +4,7 @@ that ranks last; the FCFS policy is the default and unchanged."""
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from pagedllm.config import SCHEDULING_POLICIES
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
@@ -28,7 +29,7 @@ def keys(reqs):
 
 
 def test_registered_and_unknown_names_refused():
-    assert set(POLICIES) == {"fcfs", "priority"}
+    assert set(POLICIES) == set(SCHEDULING_POLICIES) == {"fcfs", "priority"}  # the config validates these names
     assert isinstance(make_policy("priority"), PriorityPolicy)
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_policy("lifo")
@@ -104,3 +105,10 @@ def test_order_and_victim_invariants(reqs, num_blocks_extra, block_size, max_num
         s.kv.pool.check_consistency()
         assert len(s.running) <= max_num_seqs and steps < 5000
     assert s.kv.num_free_blocks == s.kv.num_total_blocks and not s.requests
+
+
+def test_engine_config_refuses_an_unknown_policy(tmp_path):
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(model=str(tmp_path), scheduling_policy="lifo")
