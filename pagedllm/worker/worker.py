@@ -213,7 +213,7 @@ class Worker:
             self.budget_note += f"; capped at max_num_seqs x max_model_len ({useful} blocks)"
         return min(num_blocks, useful)
 
-    def cpu_kv_budget(self) -> int:
+    def _cpu_budget(self) -> int:
         """kv_cache_memory if set; else this rank's share of cpu_memory_utilization x the host
         memory still available (cgroup limits respected), less one step's activations."""
         tp = get_tp_group()
@@ -233,7 +233,7 @@ class Worker:
                             + " - activations = " + gib(budget))
         return budget
 
-    def cuda_kv_budget(self) -> int:
+    def _profile_cuda_budget(self) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         free, total = torch.cuda.mem_get_info()
