@@ -135,7 +135,7 @@ def run_child(engine: str, env_extra: dict, cfg: dict, vllm_python: str, timeout
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    return {"error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
+    return {"error": f"exit {out.returncode}: {out.stderr[-12000:]}"}  # vLLM names the root cause well above its last lines
 
 
 BUSY_LOOP = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
