@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.entrypoints.http_guard import guard_body
 from pagedllm.entrypoints.router.metrics import CONTENT_TYPE, merge_backend_metrics, router_metrics
@@ -187,6 +188,26 @@ class RouterState:
 
     # ---- proxying -----------------------------------------------------------------------------
     async def proxy(self, raw: Request, path: str, body: bytes, hashes: list[bytes], count: bool = True) -> Response:
+        """Forward to a replica; a client that goes away before the answer starts cancels it (the
+        replica sees its connection close and aborts the request)."""
+        task = asyncio.ensure_future(self._proxy(raw, path, body, hashes, count))
+
+        async def watch() -> None:
+            while (await raw.receive())["type"] != "http.disconnect":
+                pass
+            task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and watcher.done():
+                return Response(status_code=499)  # nobody is left to read it
+            raise
+        finally:
+            watcher.cancel()
+
+    async def _proxy(self, raw: Request, path: str, body: bytes, hashes: list[bytes], count: bool = True) -> Response:
         import httpx
 
         headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
@@ -202,6 +223,9 @@ class RouterState:
                 req = self.client.build_request(raw.method, replica.url + path, content=body, headers=headers,
                                                 params=raw.query_params)
                 resp = await self.client.send(req, stream=True)
+            except asyncio.CancelledError:
+                self.replicas.finish(replica)
+                raise
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:  # not reached: try the next replica
                 self.replicas.finish(replica)
                 self._down(replica, f"{type(e).__name__}: {e}")
@@ -220,8 +244,13 @@ class RouterState:
                                    f"answering ({type(e).__name__}), though it is healthy: check the request "
                                    "(its size, say)", "replica_closed", replica.id)
             if resp.status_code == 503:
-                data = await resp.aread()
-                await resp.aclose()
+                try:
+                    data = await resp.aread()
+                except BaseException:
+                    self.replicas.finish(replica)
+                    raise
+                finally:
+                    await resp.aclose()
                 code = _error_code(data)
                 if code in _RETRY_CODES:
                     self.replicas.finish(replica)
@@ -319,6 +348,14 @@ def build_router_app(args: RouterArgs, hasher=None, transport=None) -> FastAPI:
     app = FastAPI(title="pagedllm router", lifespan=lifespan)
     app.state.router = state
     app.add_middleware(RouterGuard, state=state)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # 404, 405: OpenAI-shaped
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = {404: f"no such route: {request.method} {request.url.path}",
+                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code,
+                                                                                          str(exc.detail))
+        return _error(exc.status_code, message, codes.get(exc.status_code, "error"), headers=exc.headers)
 
     def block_hashes(path: str, body: bytes) -> list[bytes]:
         try:

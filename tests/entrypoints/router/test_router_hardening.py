@@ -141,3 +141,41 @@ def test_a_replica_really_down_is_still_taken_out(routed):
         r = httpx.post(routed.url + "/v1/completions", json={"prompt": "w11 w12", "max_tokens": 1}, headers=AUTH)
         assert r.status_code == 200 and r.headers["x-pagedllm-replica"] == "1"
     assert not routed.state.replicas.replicas[0].healthy and routed.state.replicas.replicas[1].healthy
+
+
+def test_client_gone_before_the_answer_aborts_the_replicas_request(llama_ckpt):
+    """A non-streaming request through the router whose client leaves: the router drops the
+    upstream connection, the replica aborts the request, the engine goes idle (a 240-token
+    generation at ~40 steps/s would otherwise run for 6 s), nothing is counted in flight."""
+    import uvicorn
+    from conftest import make_engine, wait_idle
+
+    from pagedllm.entrypoints.http_guard import h11_protocol
+    from pagedllm.entrypoints.router.app import RouterArgs, build_router_app
+
+    engine = make_engine(llama_ckpt, multiprocess=False)
+    hold = engine.engine.core.executor.execute
+    engine.engine.core.executor.execute = lambda so: (time.sleep(0.025), hold(so))[1]
+    replica = Replica(engine)
+    app = build_router_app(RouterArgs(backends=(replica.url,), policy="least_loaded", health_interval_s=0.2,
+                                      retry_min_s=0.2, api_key=KEY))
+    port = free_port()
+    router = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           http=h11_protocol(5.0)))
+    thread = threading.Thread(target=router.run, daemon=True)
+    thread.start()
+    state = app.state.router
+    try:
+        _until(lambda: router.started and state.replicas.replicas[0].healthy)
+        body = {"prompt": "w11 w12", "max_tokens": 240, "ignore_eos": True, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, headers=AUTH, timeout=1.0)
+        t0 = time.monotonic()
+        wait_idle(engine, timeout=5.0)
+        assert time.monotonic() - t0 < 5.0
+        _until(lambda: state.replicas.replicas[0].in_flight == 0, timeout=5)
+    finally:
+        router.should_exit = True
+        thread.join(30)
+        replica.stop()
+        engine.shutdown()
