@@ -366,4 +366,4 @@ def make_engine_core_client(config, hf_config, tokenizer, eos_token_ids, skip_to
 def default_multiprocess() -> bool:
     """Whether AsyncLLM (the server) runs the core in its own process: on unless
     PAGEDLLM_ENGINE_CORE_PROCESS=0."""
-    return os.environ.get("PAGEDLLM_ENGINE_CORE_PROCESS", "0") not in ("0", "false", "no")
+    return os.environ.get("PAGEDLLM_ENGINE_CORE_PROCESS", "1") not in ("0", "false", "no")

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 from conftest import free_port
+from processes import children, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,9 +102,12 @@ def test_sigterm_finishes_in_flight_and_exits_0(llama_ckpt):
         t = threading.Thread(target=stream)
         t.start()
         assert first_chunk.wait(30)
+        cores = children(proc.pid, "spawn_main")  # not multiprocessing's resource tracker
+        assert len(cores) == 1, "the engine core runs in a process of its own"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         t.join(30)
+        assert not wait_gone(cores, 5), "the engine core process outlived the server"
         lines = result["lines"]
         assert lines[-1] == "data: [DONE]"  # the in-flight request was finished, not cut
         chunks = [json.loads(x[6:]) for x in lines[:-1]]
