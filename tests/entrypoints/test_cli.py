@@ -187,7 +187,14 @@ def test_serve_on_cpu_runs_at_most_128_sequences_unless_told(llama_ckpt, monkeyp
     import pagedllm.entrypoints.cli as cli
 
     seen = []
-    monkeypatch.setattr(api_server, "run_server", lambda config, server_args, stop: seen.append(config) or 0)
+
+    def fake_run_server(config, server_args, stop, sock=None):
+        if sock is not None:  # the CLI binds before loading anything; the stub never serves on it
+            sock.close()
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(api_server, "run_server", fake_run_server)
     monkeypatch.setattr(cli, "_catch_stop_signals", lambda: (lambda: False))  # pytest keeps its handlers
     monkeypatch.setattr(logging, "basicConfig", lambda **kw: None)
     assert main(["serve", llama_ckpt, "--device", "cpu"]) == 0
