@@ -387,7 +387,7 @@ async def send(client, base: str, spec: Spec, timeout: float, api_key: str | Non
                         return  # leaving the block unread closes the connection
             else:
                 await resp.aread()
-                if resp.status_code >= 400:
+                if resp.status_code >= 400 and spec.method != "HEAD":  # a HEAD answer has no body
                     out["error_shape_ok"] = _error_shape_ok(resp.content)
         finally:
             await resp.aclose()
