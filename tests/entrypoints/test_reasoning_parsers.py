@@ -4,7 +4,6 @@ server with the official openai client."""
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
@@ -43,19 +42,13 @@ def test_unknown_parser_is_refused():
 
 @pytest.fixture(scope="module")
 def live(default_model):
-    from conftest import ENGINE_KW, LiveServer
+    from conftest import ENGINE_KW, start_live
     from pagedllm.config import EngineConfig
-    from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
+    from pagedllm.entrypoints.openai.api_server import ServerArgs
 
-    args = ServerArgs(reasoning_parser="deepseek_r1")
-    app = build_app(EngineConfig(model=default_model, served_model_name="tiny",
-                                 **dict(ENGINE_KW, max_model_len=512, kv_cache_memory=32 << 20)), args=args)
-    server = LiveServer(app)
-    deadline = time.monotonic() + 120
-    while server.state.serving is None:
-        assert server.state.load_error is None, server.state.load_error
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server = start_live(EngineConfig(model=default_model, served_model_name="tiny",
+                                     **dict(ENGINE_KW, max_model_len=512, kv_cache_memory=32 << 20)),
+                        ServerArgs(reasoning_parser="deepseek_r1"))
     yield server
     server.stop()
 

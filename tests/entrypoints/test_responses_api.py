@@ -15,7 +15,7 @@ jsonschema = pytest.importorskip("jsonschema")
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
 
-from conftest import ENGINE_KW, LiveServer, wait_idle  # noqa: E402
+from conftest import ENGINE_KW, start_live, wait_idle  # noqa: E402
 
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}"
@@ -33,18 +33,13 @@ ADD = {"type": "function", "name": "add", "description": "adds", "parameters": {
 @pytest.fixture(scope="module")
 def live(default_model, tmp_path_factory):
     from pagedllm.config import EngineConfig
-    from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
+    from pagedllm.entrypoints.openai.api_server import ServerArgs
 
     tpl = tmp_path_factory.mktemp("tpl") / "t.jinja"
     tpl.write_text(TEMPLATE)
     args = ServerArgs(chat_template=str(tpl), enable_auto_tool_choice=True, tool_call_parser="hermes")
     kw = dict(ENGINE_KW, max_model_len=1024, kv_cache_memory=64 << 20)
-    server = LiveServer(build_app(EngineConfig(model=default_model, served_model_name="tiny", **kw), args=args))
-    deadline = time.monotonic() + 120
-    while server.state.serving is None:
-        assert server.state.load_error is None, server.state.load_error
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    server = start_live(EngineConfig(model=default_model, served_model_name="tiny", **kw), args)
     yield server
     server.stop()
 
