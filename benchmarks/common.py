@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 MODELS = {
     "llama-tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -100,3 +102,22 @@ def print_table(rows: list[dict], cols: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(f"{r.get(c, '')}".ljust(w) for c, w in zip(cols, widths)))
+
+
+BUSY_LOOP = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+def start_neighbours(n: int, seconds: float = 900) -> list[subprocess.Popen]:
+    """N busy-loop processes on this process's CPUs (they inherit its affinity), each bounded in
+    time: the competing load of a shared host."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(seconds=seconds)]) for _ in range(n)]
+
+
+def stop_neighbours(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()

