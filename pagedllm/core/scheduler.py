@@ -40,6 +40,7 @@ from pagedllm.core.scheduling_units import BLOCKED, SET_ASIDE, RequestUnit, Sche
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+FAILED = "failed"  # a unit raised while it was scheduled: it finished with "error" (see _run_unit)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell workers next step
         self._preempted_ids: set[str] = set()  # workers drop these next step (preempted or rewound)
         self._sent_to_workers: set[str] = set()
+        self._failed: list[EngineCoreOutput] = []  # units that raised while scheduled, for take_failed()
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_steps = 0
@@ -117,7 +119,12 @@ class Scheduler:
         self.policy.enqueue(self.waiting, request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._failed)
+
+    def take_failed(self) -> list[EngineCoreOutput]:
+        """The "error" outputs of units that raised while they were scheduled (once each)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     # ---- the step ---------------------------------------------------------------------------
     def schedule(self, only: Optional[set[str]] = None) -> SchedulerOutput:
@@ -150,7 +157,12 @@ class Scheduler:
             if checked and self._held_back(unit, plan):
                 i += n
                 continue
-            if not unit.schedule_running(self, plan):
+            result = self._run_unit(unit, plan, unit.schedule_running)
+            if result == FAILED:  # it left the running batch: the next unit is at i now
+                if i < len(running) and running[i].unit is unit:  # its cleanup failed too: step over it
+                    i += n
+                continue
+            if not result:
                 break  # it preempted itself: nothing after it is running anymore
             i += n
 
@@ -163,12 +175,33 @@ class Scheduler:
                 continue
             if len(self.running) + len(unit.requests) > self.limits.max_num_seqs:
                 break
-            verdict = unit.admit(self, plan)
+            verdict = self._run_unit(unit, plan, unit.admit)
+            if verdict == FAILED and self.waiting and self.waiting[0].unit is unit:  # its cleanup failed too
+                verdict = SET_ASIDE
             if verdict == BLOCKED:
                 break
             if verdict == SET_ASIDE:
                 set_aside.extend(self.waiting.popleft() for _ in unit.requests)
         self.waiting.extendleft(reversed(set_aside))
+
+    def _run_unit(self, unit: SchedulingUnit, plan: StepPlan, call: Callable[["Scheduler", StepPlan], T]):
+        """``call(self, plan)`` (the unit's schedule_running or admit). A raise there is that unit's
+        alone (a constraint, an adapter, a plug-in failing for one request): what it put in the
+        plan is taken out, it finishes with "error" (its blocks freed and uncached) and FAILED is
+        returned; the step goes on with the others."""
+        marks = (len(plan.num_scheduled), len(plan.new_reqs), len(plan.cached_reqs), len(plan.block_copies),
+                 plan.budget)
+        try:
+            return call(self, plan)
+        except Exception:
+            logger.exception("request %s: scheduling it failed; it finishes with \"error\"", unit.unit_id)
+            n_sched, n_new, n_cached, n_copies, plan.budget = marks
+            for rid in list(plan.num_scheduled)[n_sched:]:
+                del plan.num_scheduled[rid]
+                plan.spec_slots.pop(rid, None)
+            del plan.new_reqs[n_new:], plan.cached_reqs[n_cached:], plan.block_copies[n_copies:]
+            self._failed.extend(self.fail_request(unit.unit_id))
+            return FAILED
 
     def _close_step(self, plan: StepPlan) -> SchedulerOutput:
         for rid, n in plan.num_scheduled.items():

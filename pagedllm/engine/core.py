@@ -187,6 +187,11 @@ class EngineCore:
         self._phase = [0.0, 0.0, 0.0]  # schedule, execute, update (perf_counter marks, see _mark)
         self._last_mark = t0
         outputs = self._step()
+        failed = self.scheduler.take_failed()  # requests that raised while being scheduled
+        if failed:
+            if self.structured is not None:
+                self.structured.abort([o.req_id for o in failed])
+            outputs = failed + outputs
         if self._beam_groups:
             for out in outputs:
                 if out.finish_reason is not None:

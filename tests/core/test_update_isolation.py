@@ -139,3 +139,74 @@ def test_one_beam_group_raising_fails_only_it(monkeypatch, where):
     assert finals["p"].finish_reason == "length"
     assert kv.num_free_blocks == kv.num_total_blocks and not s.requests and not s.beam_groups
     kv.pool.check_consistency()
+
+
+def _drive_collecting_failures(s, runner, limit=200):
+    """_drive, plus the units that raised while scheduled (Scheduler.take_failed, as EngineCore.step)."""
+    finals, scheduled = {}, []
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            break
+        so = s.schedule()
+        scheduled.append(set(so.num_scheduled_tokens))
+        for o in s.take_failed() + s.update_from_output(so, runner.step(so)):
+            if o.finish_reason is not None:
+                finals[o.req_id] = o
+    return finals, scheduled
+
+
+@pytest.mark.parametrize("where,call", [("get_computed_blocks", 1), ("send", 1), ("send", 3)])
+def test_one_request_raising_while_scheduled_fails_only_it(monkeypatch, where, call):
+    """Issue 29: a raise in one request's scheduling -- before it holds anything (the prefix
+    lookup), after its blocks are allocated at admission (send 1), or while it decodes after its
+    tokens were taken from the budget (send 3) -- finishes it with "error", takes it out of that
+    step and frees its blocks; the others run to the end."""
+    kv, s = _scheduler()
+    for name in ("a", "bad", "c"):
+        s.add_request(Request(name, [9, 8, 7, 6, 5], SamplingParams(max_tokens=6, ignore_eos=True), max_tokens=6))
+    target = kv if where == "get_computed_blocks" else Scheduler
+    original = getattr(target, where)
+    calls = {"n": 0}
+
+    def flaky(*args):
+        req = next(a for a in args if isinstance(a, Request))
+        if req.request_id == "bad":
+            calls["n"] += 1
+            if calls["n"] == call:
+                raise RuntimeError("injected scheduling failure")
+        return original(*args)
+
+    monkeypatch.setattr(target, where, flaky)
+    finals, scheduled = _drive_collecting_failures(s, FakeRunner(64, 4))
+    assert finals["bad"].finish_reason == "error"
+    assert finals["a"].finish_reason == finals["c"].finish_reason == "length"
+    # in the steps before the failing call only: the failing step and every later one run without it
+    assert [k for k, ids in enumerate(scheduled) if "bad" in ids] == list(range(call - 1 if where == "send" else 0))
+    assert kv.num_free_blocks == kv.num_total_blocks and not s.requests and not s.running and not s.waiting
+    kv.pool.check_consistency()
+
+
+def test_a_beam_group_raising_while_scheduled_fails_only_it(monkeypatch):
+    kv, s = _scheduler(128)
+    for gid, prompt in (("g0", PROMPTS[0]), ("bad", PROMPTS[2])):
+        req = Request(gid, prompt, SamplingParams(max_tokens=9, temperature=0.0).with_eos([EOS]), max_tokens=9)
+        req.beam = BeamGroup(gid, 3, 1.0, False)
+        s.add_request(req)
+    s.add_request(Request("p", [9] * 5, SamplingParams(max_tokens=6, ignore_eos=True), max_tokens=6))
+    from pagedllm.core.beam_scheduling import BeamUnit
+
+    original, steps = BeamUnit._send, {"n": 0}
+
+    def flaky(self, sched, plan, beams, tokens):
+        original(self, sched, plan, beams, tokens)  # its beams' tokens are in the plan, their blocks allocated
+        if self.unit_id == "bad":
+            steps["n"] += 1
+            if steps["n"] == 3:  # its beams have forked and hold shared blocks
+                raise RuntimeError("injected")
+
+    monkeypatch.setattr(BeamUnit, "_send", flaky)
+    finals, _ = _drive_collecting_failures(s, FakeRunner(128, 4))
+    assert finals["bad"].finish_reason == "error" and finals["bad"].beam_hypotheses == []
+    assert finals["g0"].beam_hypotheses and finals["p"].finish_reason == "length"
+    assert kv.num_free_blocks == kv.num_total_blocks and not s.requests and not s.beam_groups
+    kv.pool.check_consistency()
