@@ -172,3 +172,52 @@ def test_deep_nesting_in_the_body_itself_is_400(open_server):
            '"schema":' + schema + "}}}"
     r = httpx.post(open_server.url + "/v1/completions", content=body, headers={"content-type": "application/json"})
     assert 400 <= r.status_code < 500, r.text
+
+
+# ---- large bodies are parsed off the event loop ------------------------------------------------
+PAD = b" " * (80 << 10)  # leading whitespace: valid JSON, and over body_parsing.INLINE_BODY_BYTES
+
+
+def test_health_answers_while_a_large_body_is_parsed(server, monkeypatch):
+    """Issue 29: a large body's JSON decoding and validation run on the parse pool, so /health
+    and other requests are answered while it is parsed (here: held in the parser until they were)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedllm.entrypoints.openai import body_parsing
+
+    started, release = threading.Event(), threading.Event()
+    real = body_parsing.decode_and_validate
+
+    def held(body, field):
+        started.set()
+        release.wait(60)
+        return real(body, field)
+
+    monkeypatch.setattr(body_parsing, "decode_and_validate", held)
+    big = PAD + json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 1}).encode()
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, server.url + "/v1/completions", content=big,
+                              headers={"content-type": "application/json"}, timeout=120)
+        try:
+            assert started.wait(30), "the large body never reached the parse pool"
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            small = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1},
+                               timeout=60)
+            assert small.status_code == 200 and not pending.done(), small.text
+        finally:
+            release.set()
+        r = pending.result(120)
+    assert r.status_code == 200 and r.json()["choices"], r.text
+
+
+@pytest.mark.parametrize("body", [b'{"prompt": "w1", "max_tokens": ', b'{"prompt": "w1", "frobnicate": 1}',
+                                  b'{"prompt": "w1", "max_tokens": "ten"}', b"[1, 2]", b'{"prompt": "\xff\xfe"}',
+                                  b"null"])
+def test_a_large_body_gets_the_error_a_small_one_gets(server, body):
+    def answer(content):
+        r = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+        return r.status_code, r.json()["error"]
+
+    small, large = answer(body), answer(PAD + body)
+    assert 400 <= small[0] < 500 and large == small, (small, large)

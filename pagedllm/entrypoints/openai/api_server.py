@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import APIError, OpenAIServing, ServingOptions, ShuttingDown
 from pagedllm.entrypoints.openai import lora_modules
+from pagedllm.entrypoints.openai.body_parsing import OffLoopBodyRoute
 from pagedllm.entrypoints.openai.responses import ServingResponses
 from pagedllm.entrypoints.openai.responses_protocol import DeletedResponse, InputItemList, ResponsesRequest
 from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
@@ -321,6 +322,7 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None,
                   redoc_url=None, **({"openapi_url": None} if state.args.disable_fastapi_docs else {}))
+    app.router.route_class = OffLoopBodyRoute  # large bodies are parsed on a pool of their own, not on the loop
     app.state.server = state
     app.add_middleware(InternalErrors)  # innermost: a 500 that keeps the connection
     app.add_middleware(RequestGuard, state=state)  # outermost: the API key, then the bounded body
