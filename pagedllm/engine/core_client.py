@@ -24,8 +24,9 @@ import pickle
 import socket
 import threading
 import time
+from concurrent.futures import Future, InvalidStateError, wait as futures_wait
 from multiprocessing.connection import wait
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedllm.core.engine_request import EngineCoreOutputs, EngineCoreRequest, EngineLimits
@@ -159,8 +160,8 @@ class MultiprocClient:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._pending: list[EngineCoreOutputs] = []  # outputs read by a thread waiting for a reply
-        self._replies: dict[int, Any] = {}
-        self._reply_cond = threading.Condition()
+        self._calls: dict[int, Future] = {}  # calls the core has not answered yet, by call id
+        self._calls_lock = threading.Lock()
         self._next_call = 0
         self._dead: Optional[str] = None
         self._closed = False
@@ -273,9 +274,14 @@ class MultiprocClient:
             self._unfinished = msg[2]
             return outs
         if kind == "reply":
-            with self._reply_cond:
-                self._replies[msg[1]] = msg[2]
-                self._reply_cond.notify_all()
+            with self._calls_lock:
+                fut = self._calls.pop(msg[1], None)
+            if fut is not None:
+                ok, value = msg[2]
+                try:
+                    fut.set_result(value) if ok else fut.set_exception(value)
+                except InvalidStateError:  # withdrawn by its caller meanwhile
+                    pass
             return None
         self._died(msg[1])
         return None
@@ -283,26 +289,55 @@ class MultiprocClient:
     def _died(self, reason: Optional[str]) -> None:
         self.proc.join(1)
         self._dead = self._dead or (reason or f"the engine core process died (exit code {self.proc.exitcode})")
-        with self._reply_cond:
-            self._reply_cond.notify_all()
+        with self._calls_lock:
+            calls, self._calls = self._calls, {}
+        for fut in calls.values():
+            try:
+                fut.set_exception(EngineCoreDeadError(self._dead))
+            except InvalidStateError:
+                pass
         raise EngineCoreDeadError(self._dead)
 
-    def _call(self, method: str, *args, timeout: float = 60.0):
-        """Run ``EngineCore.<method>(*args)`` in the core; its result (or its exception, raised here)."""
-        with self._reply_cond:
+    def call_async(self, method: str, *args) -> Future:
+        """Run ``_CoreLoop._call_<method>(*args)`` in the core: a Future of its answer (its
+        exception is the Future's). The answer is read by whichever thread reads the pipe (the
+        engine thread, or ``_call``); cancelling the Future withdraws the call in the core (an
+        asynchronous one there, e.g. a grammar compile, is cancelled too)."""
+        fut: Future = Future()
+        with self._calls_lock:
             call_id = self._next_call
             self._next_call += 1
-        self._post(("call", call_id, method, args))
+            self._calls[call_id] = fut
+        try:
+            self._post(("call", call_id, method, args))
+        except BaseException:
+            with self._calls_lock:
+                self._calls.pop(call_id, None)
+            raise
+        fut.add_done_callback(lambda f, c=call_id: self._withdraw(c) if f.cancelled() else None)
+        return fut
+
+    def _withdraw(self, call_id: int) -> None:
+        with self._calls_lock:
+            if self._calls.pop(call_id, None) is None:
+                return  # answered already
+        try:
+            self._post(("cancel", call_id))
+        except EngineCoreDeadError:
+            pass
+
+    def _call(self, method: str, *args, timeout: float = 60.0):
+        """``call_async``, waited for here (reading the pipe meanwhile when no other thread does)."""
+        return self.wait_for(self.call_async(method, *args), timeout, method)
+
+    def wait_for(self, fut: Future, timeout: float, what: str = "a call"):
+        """The result of a ``call_async`` Future within ``timeout`` s (then it is withdrawn and
+        TimeoutError raised)."""
         deadline = time.monotonic() + timeout
-        while True:
-            with self._reply_cond:
-                if call_id in self._replies:
-                    ok, value = self._replies.pop(call_id)
-                    if ok:
-                        return value
-                    raise value
+        while not fut.done():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the engine core did not answer {method} within {timeout:g} s")
+                fut.cancel()
+                raise TimeoutError(f"the engine core did not answer {what} within {timeout:g} s")
             if self._recv_lock.acquire(blocking=False):  # nobody reads the pipe: read it here
                 try:
                     outs = self._read(0.05)
@@ -311,10 +346,9 @@ class MultiprocClient:
                 finally:
                     self._recv_lock.release()
             else:
-                with self._reply_cond:
-                    if call_id not in self._replies:
-                        self._reply_cond.wait(0.05)
+                futures_wait([fut], 0.05)
                 self.check_alive()
+        return fut.result()
 
     # ---- state ------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

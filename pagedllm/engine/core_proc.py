@@ -14,6 +14,8 @@ import logging
 import os
 import pickle
 import signal
+import threading
+from concurrent.futures import CancelledError, Future
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +36,32 @@ class _CoreLoop:
         self.core, self.conn_in, self.conn_out = core, conn_in, conn_out
         self.running = True
         self.num_unfinished = 0
+        self._send_lock = threading.Lock()  # asynchronous calls answer from their own threads
+        self._async: dict[int, Future] = {}  # asynchronous calls running, by call id
 
     def send(self, msg) -> None:
-        self.conn_out.send_bytes(pickle.dumps(msg, protocol=5))
+        data = pickle.dumps(msg, protocol=5)
+        with self._send_lock:
+            self.conn_out.send_bytes(data)
+
+    def _reply(self, call_id: int, ok: bool, value) -> None:
+        try:
+            data = pickle.dumps(("reply", call_id, (ok, value)), protocol=5)
+        except Exception:  # e.g. an exception that does not pickle: its text goes
+            data = pickle.dumps(("reply", call_id, (False, RuntimeError(f"{type(value).__name__}: {value}"))),
+                                protocol=5)
+        with self._send_lock:
+            self.conn_out.send_bytes(data)
+
+    def _answer(self, call_id: int, fut: Future) -> None:
+        """An asynchronous call ended (on its own thread): (True, None) -- what it made stays in
+        the core -- or its exception."""
+        self._async.pop(call_id, None)
+        try:
+            error = CancelledError() if fut.cancelled() else fut.exception()
+            self._reply(call_id, error is None, error)
+        except (OSError, EOFError, ValueError):  # the front end is gone; the loop sees it too
+            pass
 
     def handle(self, msg) -> list:
         """Apply one message; the outputs it produced at once (aborted beam groups, refusals)."""
@@ -59,10 +84,20 @@ class _CoreLoop:
         if kind == "call":
             _, call_id, method, args = msg
             try:
-                value = (True, getattr(self, "_call_" + method)(*args))
+                value = getattr(self, "_call_" + method)(*args)
             except Exception as e:
-                value = (False, e)
-            self.send(("reply", call_id, value))
+                self._reply(call_id, False, e)
+                return []
+            if isinstance(value, Future):  # answered when it ends, from its thread
+                self._async[call_id] = value
+                value.add_done_callback(lambda f, c=call_id: self._answer(c, f))
+            else:
+                self._reply(call_id, True, value)
+            return []
+        if kind == "cancel":  # the caller withdrew (a client went away, a timeout)
+            fut = self._async.get(msg[1])
+            if fut is not None:
+                fut.cancel()
             return []
         self.running = False  # "shutdown"
         return []
@@ -75,6 +110,17 @@ class _CoreLoop:
 
     def _call_snapshot(self) -> dict:
         return self.core.snapshot()
+
+    def _call_compile_structured_outputs(self, spec) -> Future:
+        """Compile a request's constraint here, the one process that compiles (the front end
+        checks only the limits): the compiled grammar stays in this process's cache for the
+        request that follows; the front end learns only whether it compiled."""
+        if self.core.structured is None:
+            raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+        return self.core.structured.manager.submit(spec)
+
+    def _call_structured_stats(self) -> dict:
+        return self.core.structured.manager.stats() if self.core.structured is not None else {}
 
     def run(self) -> None:
         from pagedllm.core.engine_request import EngineCoreOutputs

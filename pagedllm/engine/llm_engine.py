@@ -70,17 +70,17 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _grammar_checker(self):
-        """What compiles a request's constraint up front: the in-process core's own manager (its
-        compile cache then serves the request that follows), else one of the front end's."""
+        """What compiles a request's constraint up front: always the core's own manager (its
+        compile cache then serves the request that follows), in this process or, through
+        engine/core_compiles.py, in the core's: one process compiles and caches grammars."""
         if self.tokenizer is None:
             return None
         if self.client.in_process:
             return self.client.core.structured.manager
+        from pagedllm.engine.core_compiles import CoreCompiles
         from pagedllm.structured_output.limits import CompileLimits
-        from pagedllm.structured_output.manager import StructuredOutputManager
 
-        return StructuredOutputManager(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
-                                       CompileLimits.from_config(self.config))
+        return CoreCompiles(self.client, CompileLimits.from_config(self.config))
 
     @property
     def core(self):

@@ -160,6 +160,12 @@ class StructuredOutputManager:
     def num_inflight_compiles(self) -> int:
         return len(self._inflight)
 
+    def stats(self) -> dict:
+        """Compiles run, grammars cached and their bytes, compiles in flight (plain ints)."""
+        b = self._backend
+        return {"compiles": b.num_compiles if b else 0, "cached": len(b._cache) if b else 0,
+                "cache_bytes": b.cache_size_bytes if b else 0, "inflight": self.num_inflight_compiles}
+
     # ---- per request ------------------------------------------------------------------------
     def start(self, req_id: str, compiled, replay: Iterable[int] = ()) -> None:
         """A matcher for ``req_id``, advanced over tokens it already produced (``replay``)."""

@@ -22,9 +22,13 @@ from pagedllm.structured_output import backend as backend_mod  # noqa: E402
 def live(default_model):
     from pagedllm.config import EngineConfig
 
-    server = start_live(EngineConfig(model=default_model, served_model_name="tiny", structured_compile_workers=1,
-                                     structured_max_queued_compiles=1, structured_compile_timeout=1.0, max_tools=8,
-                                     **dict(ENGINE_KW, kv_cache_memory=32 << 20)))
+    # The core in this process, so the tests can stall its compiles (a core process compiles in
+    # its own manager the same way: test_structured_server.py)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_ENGINE_CORE_PROCESS", "0")
+        server = start_live(EngineConfig(model=default_model, served_model_name="tiny", structured_compile_workers=1,
+                                         structured_max_queued_compiles=1, structured_compile_timeout=1.0, max_tools=8,
+                                         **dict(ENGINE_KW, kv_cache_memory=32 << 20)))
     yield server
     server.stop()
 
@@ -89,7 +93,7 @@ def test_stuck_compiles_time_out_fill_the_pool_and_starve_nobody(live, monkeypat
     finally:
         release.set()
     deadline = time.monotonic() + 30
-    manager = live.engine.engine.input_processor.structured  # the front end's compiles (the server awaits them)
+    manager = live.engine.engine.input_processor.structured  # the core's compiles (the server awaits them)
     while manager.num_inflight_compiles and time.monotonic() < deadline:
         time.sleep(0.05)
     assert manager.num_inflight_compiles == 0

@@ -129,6 +129,24 @@ def test_stream_and_non_stream_same_text(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
 
 
+def test_one_process_compiles_and_caches(live):
+    """Issue 29: grammars are compiled and cached in the engine-core process only: the server's
+    up-front check and the request's own matcher share one compile there, and the front end
+    holds no compiler (no second cache)."""
+    from pagedllm.engine.core_compiles import CoreCompiles
+
+    engine = live.engine.engine
+    assert isinstance(engine.input_processor.structured, CoreCompiles)
+    before = engine.client._call("structured_stats")
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 30, "guided_regex": "[a-e]{2}q(rs|tu)[0-9]{3}"}
+    texts = [post(live, "/v1/completions", body) for _ in range(2)]
+    assert all(r.status_code == 200 and re.fullmatch(r"[a-e]{2}q(rs|tu)[0-9]{3}", r.json()["choices"][0]["text"])
+               for r in texts), [r.text for r in texts]
+    after = engine.client._call("structured_stats")
+    assert after["compiles"] - before["compiles"] == 1 and after["cached"] >= 1 and after["inflight"] == 0, after
+    assert 0 < after["cache_bytes"] <= live.engine.config.structured_cache_bytes
+
+
 @pytest.mark.parametrize("body, field", [
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_json": {"type": "objectx"}}, "guided_json"),

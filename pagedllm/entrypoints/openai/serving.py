@@ -324,9 +324,10 @@ class OpenAIServing:
             return
         field = field or request_constraint(req, _bad_request)[1]
         try:
-            # the compile pool's own thread, never the default executor (tokenization's); a client
-            # that goes away cancels this await, which withdraws the compile
-            fut = self.engine.compile_structured_outputs(params)
+            # the compile pool's own thread (in the engine core), never the default executor's; a
+            # client that goes away cancels the await below, which withdraws the compile. Submitted
+            # from a thread: sending a large constraint to the core's pipe may wait for the core
+            fut = await asyncio.to_thread(self.engine.compile_structured_outputs, params)
             if fut is not None:
                 limit = self.engine.config.structured_compile_timeout
                 try:
