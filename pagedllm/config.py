@@ -149,7 +149,12 @@ class EngineConfig:
     structured_compile_workers: int = 2  # grammar compile threads (a pool of their own)
     structured_max_queued_compiles: int = 16  # compiles waiting beyond the workers (more: 429)
     structured_compile_timeout: float = 10.0  # seconds a request waits for its compile (408 past it)
-    structured_cache_bytes: int = 256 << 20  # compiled grammars kept, by their memory_size_bytes
+    structured_cache_bytes: int = 64 << 20  # compiled grammars kept (one cache: the engine core's), by memory_size_bytes
+    # "thread": compiles on the compile threads (bounded up front by the limits above; a started one cannot be
+    # stopped); "process": in worker processes of their own, killed past structured_compile_timeout or when nobody
+    # waits any more (structured_output/compile_process.py; each worker holds xgrammar + torch, ~270 MiB)
+    structured_compile_isolation: str = "thread"
+    structured_compile_memory: int = 1 << 30  # bytes one compile worker's heap may grow by (more: 400)
     max_tools: int = 128  # tools one chat request may carry (OpenAI's limit)
     # logprob entries (token x top-N alternatives, over n choices and prompts) one response may carry:
     # prompt_logprobs x n, echo x logprobs x prompt length, logprobs x max_tokens x n (more: 400)
@@ -245,6 +250,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.structured_max_queued_compiles < 0 or self.structured_cache_bytes < 0:
             raise ValueError("structured_max_queued_compiles and structured_cache_bytes must be >= 0")
+        if self.structured_compile_isolation not in ("process", "thread"):
+            raise ValueError(f"structured_compile_isolation must be 'process' or 'thread', got "
+                             f"{self.structured_compile_isolation!r}")
+        if self.structured_compile_memory < 0:
+            raise ValueError(f"structured_compile_memory must be >= 0 bytes, got {self.structured_compile_memory}")
         if not 0 < self.structured_compile_timeout < float("inf"):
             raise ValueError(f"structured_compile_timeout must be a positive number of seconds, got "
                              f"{self.structured_compile_timeout}")

@@ -95,12 +95,13 @@ class EngineCore:
         self.structured = None  # StructuredOutputs (constrained decoding needs the tokenizer)
         if tokenizer is not None:  # xgrammar is imported on first use
             from pagedllm.engine.structured_outputs import StructuredOutputs
+            from pagedllm.structured_output.backend import CompileIsolation
             from pagedllm.structured_output.limits import CompileLimits
             from pagedllm.structured_output.manager import StructuredOutputManager
 
             self.structured = StructuredOutputs(
                 StructuredOutputManager(tokenizer, self.hf_config.vocab_size, list(eos_token_ids),
-                                        CompileLimits.from_config(config)))
+                                        CompileLimits.from_config(config), CompileIsolation.from_config(config)))
         self.last_timing = StepTiming()  # the last step's phases
         self._phase = [0.0, 0.0, 0.0]
         self._last_mark = 0.0

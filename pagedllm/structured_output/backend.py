@@ -10,6 +10,11 @@ JSON grammars allow no free whitespace (``any_whitespace=False``, json.dumps' se
 schema whose strings and arrays are bounded is always finished within a computable number of
 tokens. Compile errors become ValueErrors naming the field (``structured_outputs.json`` ...).
 
+Where a compile runs: on the caller's thread, or (``CompileIsolation``, the engine's default) in
+a compile worker process that is killed when the compile runs too long or nobody waits for it
+(structured_output/compile_process.py); the compiled grammar comes back serialized and is
+cached here, in the one process that compiles (the engine core).
+
 xgrammar is an optional dependency (the ``structured`` extra): it is imported on first use, and
 its absence is a clear error naming the extra, never an import failure at start-up.
 """
@@ -19,9 +24,39 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from pagedllm.sampling_params import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class CompileIsolation:
+    """Compiles in worker processes (structured_output/compile_process.py): ``memory_limit``
+    bytes a worker's heap may grow by, ``recycle_bytes`` of resident growth after which a worker
+    is retired. What is bounded up front stays on the caller's thread (cheaper than the round
+    trip): ``json_object`` (one fixed grammar) and choice lists of at most ``inline_choice_bytes``
+    (literals: their cost grows with their bytes). A regex, grammar or schema has no such bound
+    (``[a-z]{1000}`` is short), so it always goes to a worker. ``worker_module``: what a worker
+    runs (``python -m``; a test's module may wrap the compile)."""
+
+    memory_limit: int = 1 << 30
+    recycle_bytes: int = 128 << 20
+    inline_choice_bytes: int = 4096
+    idle_s: float = 30.0  # a worker idle this long is stopped (started again by the next compile)
+    worker_module: str = "pagedllm.structured_output.compile_process"  # run as ``python -m``
+
+    @classmethod
+    def from_config(cls, config) -> Optional["CompileIsolation"]:
+        """EngineConfig's choice (None: compiles on threads)."""
+        if config.structured_compile_isolation != "process":
+            return None
+        return cls(memory_limit=config.structured_compile_memory)
+
+    def inline(self, key: tuple[str, str]) -> bool:
+        kind, text = key
+        return kind == "json_object" or (kind == "choice" and len(text) <= self.inline_choice_bytes)
+
 
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.cc:\d+: (Check failed: \(.*?\) is false: )?")
 _CACHE_ENTRIES = 512
@@ -79,14 +114,37 @@ def _clean(e: BaseException) -> str:
     return _CPP_PREFIX.sub("", lines[0] if lines else type(e).__name__)
 
 
+def compile_with(compiler, key: tuple[str, str]):
+    """``key``'s CompiledGrammar from an xgrammar GrammarCompiler (here, or in a compile worker
+    process); ValueError naming the field when it does not compile."""
+    kind, text = key
+    try:
+        if kind == "json":
+            return compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "json_object":  # any object; strict_mode off so it may hold any properties
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        if kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(json.loads(text)))
+        return compiler.compile_grammar(text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar (EBNF)",
+                "choice": "choice list", "json_object": "JSON object grammar"}[kind]
+        raise ValueError(f"structured_outputs.{kind}: the {what} could not be compiled: {_clean(e)}") from None
+
+
 class GrammarBackend:
     """Compiles constraints for one tokenizer and logits width (thread-safe; cached)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 256 << 20) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 256 << 20,
+                 isolation: Optional[CompileIsolation] = None) -> None:
         self.xgr = import_xgrammar()
         self.vocab_size = vocab_size
         self.tokenizer_info = self._tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.compiler = self.xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_enabled=False)
+        self.isolation = isolation  # None: every compile on the caller's thread
+        self._pool = None  # compile_process.WorkerPool, on the first compile in a worker
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}
         self.cache_bytes = cache_bytes  # the compiled grammars' memory_size_bytes kept at most
@@ -118,10 +176,16 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
             return hit
 
-    def compile_key(self, key: tuple[str, str]):
-        """Compile (on the caller's thread) and keep the result while the cache's bytes allow:
-        least recently used grammars go first; one larger than the whole budget is not kept."""
-        compiled = self._compile(key)
+    def compile_key(self, key: tuple[str, str], timeout: Optional[float] = None,
+                    abandoned: Optional[Callable[[], bool]] = None):
+        """Compile (on the caller's thread, or in a compile worker process: ``isolation``) and
+        keep the result while the cache's bytes allow: least recently used grammars go first;
+        one larger than the whole budget is not kept. In a worker, the compile is stopped after
+        ``timeout`` seconds (CompileDeadlineError) or once ``abandoned()`` (CompileStopped)."""
+        if self.isolation is not None and not self.isolation.inline(key):
+            compiled = self._compile_in_worker(key, timeout, abandoned)
+        else:
+            compiled = self._compile(key)
         if not self._allows_a_first_token(compiled):  # e.g. root ::= root: sampling would have no token at all
             raise ValueError(f"structured_outputs.{key[0]}: the constraint allows no output at all (not even the "
                              "end of text): no rule reaches a terminal")
@@ -138,22 +202,23 @@ class GrammarBackend:
         return compiled
 
     def _compile(self, key: tuple[str, str]):
-        kind, text = key
-        c = self.compiler
-        try:
-            if kind == "json":
-                return c.compile_json_schema(text, any_whitespace=False)
-            if kind == "json_object":  # any object; strict_mode off so it may hold any properties
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-            if kind == "regex":
-                return c.compile_regex(text)
-            if kind == "choice":
-                return c.compile_grammar(_choice_grammar(json.loads(text)))
-            return c.compile_grammar(text)
-        except (RuntimeError, ValueError, TypeError) as e:
-            what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar (EBNF)",
-                    "choice": "choice list", "json_object": "JSON object grammar"}[kind]
-            raise ValueError(f"structured_outputs.{kind}: the {what} could not be compiled: {_clean(e)}") from None
+        return compile_with(self.compiler, key)
+
+    def _compile_in_worker(self, key, timeout, abandoned):
+        from pagedllm.structured_output.compile_process import worker_pool
+
+        if self._pool is None:
+            iso = self.isolation
+            self._pool = worker_pool(self.tokenizer_info.serialize_json(), iso.memory_limit, iso.recycle_bytes,
+                                     iso.worker_module, iso.idle_s)
+        text = self._pool.compile(key, timeout if timeout is not None else 3600.0, abandoned or (lambda: False))
+        return self.xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
+
+    def shutdown(self) -> None:
+        """Stop the idle compile workers (shared by this process's backends: a later compile
+        starts them again)."""
+        if self._pool is not None:
+            self._pool.stop_idle()
 
     def _allows_a_first_token(self, compiled) -> bool:
         mask = self.allocate_bitmask(1)

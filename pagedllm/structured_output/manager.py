@@ -18,6 +18,7 @@ Lifecycle of a constrained request (driven by engine/core.py):
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -27,10 +28,28 @@ from typing import Any, Iterable, Optional
 import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.backend import GrammarBackend, import_xgrammar, spec_key
+from pagedllm.structured_output.backend import CompileIsolation, GrammarBackend, import_xgrammar, spec_key
+from pagedllm.structured_output.compile_process import CompileDeadlineError
 from pagedllm.structured_output.limits import CompileLimits, CompilePoolFullError, CompileTimeoutError, compile_timeout
 
 logger = logging.getLogger(__name__)
+
+
+_libc = None
+
+
+def trim_freed_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): a compiled grammar
+    that was dropped (evicted, or never cached) otherwise stays in the process's resident memory."""
+    global _libc
+    if _libc is False:
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL("libc.so.6")
+        _libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        _libc = False
 
 
 def _relay(shared: Future, mine: Future) -> None:
@@ -66,9 +85,11 @@ class Advance:
 
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 limits: Optional[CompileLimits] = None) -> None:
+                 limits: Optional[CompileLimits] = None, isolation: Optional[CompileIsolation] = None) -> None:
         self._args = (tokenizer, vocab_size, list(stop_token_ids))
         self.limits = limits or CompileLimits()
+        self.isolation = isolation  # compiles in worker processes (None: on the pool's threads)
+        self._abandoned: set[tuple[str, str]] = set()  # compiles running that nobody waits for any more
         self._backend: Optional[GrammarBackend] = None
         self._backend_lock = threading.Lock()
         self._pool: Optional[ThreadPoolExecutor] = None
@@ -83,7 +104,8 @@ class StructuredOutputManager:
         """Built on first use (importing xgrammar and reading the vocabulary take a second or two)."""
         with self._backend_lock:
             if self._backend is None:
-                self._backend = GrammarBackend(*self._args, cache_bytes=self.limits.cache_bytes)
+                self._backend = GrammarBackend(*self._args, cache_bytes=self.limits.cache_bytes,
+                                               isolation=self.isolation)
             return self._backend
 
     # ---- compile ----------------------------------------------------------------------------
@@ -130,18 +152,28 @@ class StructuredOutputManager:
                 self._inflight[key] = shared
                 shared.add_done_callback(lambda f, k=key: self._done(k, f))
             self._waiters[key] = self._waiters.get(key, 0) + 1
+            self._abandoned.discard(key)
         shared.add_done_callback(lambda f: _relay(f, mine))
         mine.add_done_callback(lambda f, k=key: self._withdraw(k, f))
         return mine
 
     def _compile(self, key: tuple[str, str]):
-        return self.backend.cached(key) or self.backend.compile_key(key)
+        hit = self.backend.cached(key)
+        if hit is not None:
+            return hit
+        try:  # in a worker process, stopped once nobody waits or past the timeout
+            return self.backend.compile_key(key, self.limits.timeout, lambda: key in self._abandoned)
+        except CompileDeadlineError:
+            raise CompileTimeoutError(f"structured_outputs.{key[0]} did not compile within the limit of "
+                                      f"{self.limits.timeout:g} s (structured_compile_timeout); it was stopped") from None
 
     def _done(self, key, fut: Future) -> None:
         with self._lock:
             if self._inflight.get(key) is fut:
                 del self._inflight[key]
                 self._waiters.pop(key, None)
+                self._abandoned.discard(key)
+        trim_freed_memory()
 
     def _withdraw(self, key, mine: Future) -> None:
         if not mine.cancelled():
@@ -153,8 +185,12 @@ class StructuredOutputManager:
                 self._waiters[key] = left
                 return
             self._waiters.pop(key, None)
+            if shared is not None:
+                self._abandoned.add(key)
         if shared is not None:
-            shared.cancel()  # dropped if still queued; a running compile ends and is cached
+            # dropped if still queued; a running one is stopped in its worker process (on a
+            # thread it cannot be: it ends and is cached)
+            shared.cancel()
 
     @property
     def num_inflight_compiles(self) -> int:
@@ -210,3 +246,5 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._backend is not None:
+            self._backend.shutdown()
