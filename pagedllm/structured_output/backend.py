@@ -21,13 +21,13 @@ its absence is a clear error naming the extra, never an import failure at start-
 from __future__ import annotations
 
 import json
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.grammars import compile_with
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,6 @@ class CompileIsolation:
         return kind == "json_object" or (kind == "choice" and len(text) <= self.inline_choice_bytes)
 
 
-_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+\.cc:\d+: (Check failed: \(.*?\) is false: )?")
 _CACHE_ENTRIES = 512
 _THREADED_WORK = 16 * 128_000  # rows x vocabulary above which the bitmask fill uses two threads
 
@@ -101,37 +100,6 @@ def _size_of(compiled) -> int:
     """A compiled grammar's memory (xgrammar's own count: its token-mask cache and grammar),
     which tracks the process's RSS growth per compile within a factor of ~2 (docs/benchmarks.md)."""
     return int(getattr(compiled, "memory_size_bytes", 0) or 0)
-
-
-def _choice_grammar(choices: list[str]) -> str:
-    """EBNF ``root ::= "a" | "b"`` with each choice as an escaped literal (JSON's escapes are
-    the EBNF parser's: \\", \\\\, \\n, \\uXXXX)."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
-
-
-def _clean(e: BaseException) -> str:
-    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-    return _CPP_PREFIX.sub("", lines[0] if lines else type(e).__name__)
-
-
-def compile_with(compiler, key: tuple[str, str]):
-    """``key``'s CompiledGrammar from an xgrammar GrammarCompiler (here, or in a compile worker
-    process); ValueError naming the field when it does not compile."""
-    kind, text = key
-    try:
-        if kind == "json":
-            return compiler.compile_json_schema(text, any_whitespace=False)
-        if kind == "json_object":  # any object; strict_mode off so it may hold any properties
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "choice":
-            return compiler.compile_grammar(_choice_grammar(json.loads(text)))
-        return compiler.compile_grammar(text)
-    except (RuntimeError, ValueError, TypeError) as e:
-        what = {"json": "JSON schema", "regex": "regular expression", "grammar": "grammar (EBNF)",
-                "choice": "choice list", "json_object": "JSON object grammar"}[kind]
-        raise ValueError(f"structured_outputs.{kind}: the {what} could not be compiled: {_clean(e)}") from None
 
 
 class GrammarBackend:

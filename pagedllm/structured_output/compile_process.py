@@ -64,12 +64,12 @@ def _serve(conn_in, conn_out, compile_fn=None, compiler_factory=None) -> None:
     """The worker's loop: the tokenizer info (JSON) and the heap budget first, then compile each
     (kind, text) key sent, answering ("ok", serialized grammar), ("error", message) or
     ("memory", None); it ends when its input pipe closes. ``compile_fn(compiler, key)``
-    (backend.compile_with) and ``compiler_factory(info_json)`` (make_compiler): a test's worker
+    (grammars.compile_with) and ``compiler_factory(info_json)`` (make_compiler): a test's worker
     may replace them."""
     import resource
 
     if compile_fn is None:
-        from pagedllm.structured_output.backend import compile_with as compile_fn
+        from pagedllm.structured_output.grammars import compile_with as compile_fn
     info_json, memory_limit = pickle.loads(conn_in.recv_bytes())
     compiler = (compiler_factory or make_compiler)(info_json)
     del info_json
