@@ -5,11 +5,13 @@ Invariants (checked by ``check_consistency`` in tests):
 - free queue order = eviction order: least recently freed first; a request's blocks are freed
   tail-first, so the tail of a prompt is evicted before its head;
 - a block with a hash is in ``cached`` under that hash; eviction (lazy) happens only when a
-  free block is handed out again.
+  free block is handed out again, and only then is ``on_evict(block_id, hash)`` told (the KV
+  offload tier saves the block's K/V before the step overwrites it: core/kv_tier.py); a hash
+  dropped because its contents are suspect (``uncache``, a reset) is not.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 
 # block_states() codes
@@ -84,11 +86,13 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 on_evict: Optional[Callable[[int, bytes], None]] = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.on_evict = on_evict
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVCacheBlock] = {}
@@ -117,8 +121,11 @@ class BlockPool:
         if n > self.free_queue.num_free:
             raise RuntimeError(f"cannot allocate {n} blocks: only {self.free_queue.num_free} free")
         out = []
+        on_evict = self.on_evict
         for _ in range(n):
             block = self.free_queue.popleft()
+            if on_evict is not None and block.block_hash is not None:
+                on_evict(block.block_id, block.block_hash)
             self._evict(block)
             block.ref_cnt = 1
             out.append(block)

@@ -48,6 +48,41 @@ class CachedRequestData:
     num_dropped_block_ids: int = 0
 
 
+# ---- the KV offload tier (core/kv_tier.py plans, worker/kv_tier/ runs) ---------------------------
+@dataclass(frozen=True, slots=True)
+class TierCopy:
+    """One block moved between the device KV cache and the tier: ``block_id`` a device block,
+    ``slot`` a tier slot (the core's TierIndex chose it), ``block_hash`` the block's prefix-cache
+    hash (the store keeps it beside the slot and a load checks it: a stale or foreign slot is a
+    failed load, never wrong KV)."""
+
+    block_id: int
+    slot: int
+    block_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransfers:
+    """A step's moves between the device KV cache and the tier, run by every worker BEFORE the
+    step's block copies and forward, in this order: ``drops`` (slots the tier forgot before this
+    step was planned; a store below may reuse one), ``stores`` (device block -> slot: the block is
+    about to be reused, so its K/V is saved first), then ``loads`` (slot -> a fresh device block
+    of a request waiting for them; the request computes nothing this step). Every load is finished (or failed) when the step's
+    ModelRunnerOutput comes back (``failed_kv_loads``); a store may still be in flight then, as
+    long as a later load of its slot either sees it or fails."""
+
+    stores: tuple[TierCopy, ...] = ()
+    loads: tuple[TierCopy, ...] = ()
+    drops: tuple[int, ...] = ()
+    seq: int = 0  # the core's number for this plan (its loads' results are matched by it)
+
+    def __bool__(self) -> bool:
+        return bool(self.stores or self.loads or self.drops)
+
+
+NO_TRANSFERS = KVTransfers()
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
@@ -63,9 +98,11 @@ class SchedulerOutput:
     # Beam search: (source, destination) block ids whose K/V workers copy before the forward
     # (copy-on-write of a partly filled block that forked beams share).
     block_copies: tuple[tuple[int, int], ...] = ()
+    kv_transfers: KVTransfers = NO_TRANSFERS  # the KV offload tier's stores and loads (empty: no tier)
 
     @property
     def is_empty(self) -> bool:
+        """No token to compute (the step may still move blocks: ``kv_transfers``)."""
         return self.total_num_scheduled_tokens == 0
 
 
@@ -90,6 +127,10 @@ class ModelRunnerOutput:
     # holds the accepted drafts and one more token. None: no request was drafted for.
     num_draft_tokens: Optional[list[int]] = None
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)  # by beam group id
+    # The KV offload tier: device block ids of this step's loads that failed (on any rank; every
+    # other load of SchedulerOutput.kv_transfers succeeded), and the seconds the step's transfers took.
+    failed_kv_loads: frozenset[int] = frozenset()
+    kv_transfer_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +166,39 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    kv_tier: Optional[KVTierStats] = None  # the KV offload tier's counters (None: no tier)
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierSpec:
+    """What the workers' tier holds (an executor's ``kv_tier_spec``; None without a tier):
+    ``num_slots`` blocks (the same on every rank), ``bytes_per_block`` summed over the ranks."""
+
+    num_slots: int
+    bytes_per_block: int
+    backend: str = "native"
+
+
+@dataclass(frozen=True, slots=True)
+class KVTierStats:
+    """The KV offload tier since start (counters) and now (slots): tokens looked up in the tier
+    past the device prefix cache's hit and found there, blocks stored (device -> tier) and loaded
+    (tier -> device), loads that failed (recomputed instead), the workers' transfer seconds."""
+
+    num_slots: int
+    num_used_slots: int
+    bytes_per_block: int
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    failed_loads: int = 0
+    transfer_seconds: float = 0.0
+    num_transfer_steps: int = 0
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_slots / self.num_slots if self.num_slots else 0.0
 
 
 # ---- beam search ------------------------------------------------------------------------------

@@ -17,6 +17,12 @@ tables may still name a freed block (or block 0) there; no attention path reads 
 Triton kernels start at the window and the torch path masks keys before it, and the cache only
 ever holds finite values (zero-initialised, then K/V), so a masked stale entry weighs exactly 0.
 Models whose layers mix windowed and full attention (Gemma 2/3) keep every block (``None``).
+
+KV offload tier (``tier``, core/kv_tier.py): the pool tells the tier about every cached block it
+hands out again (a store is planned), and a waiting request's device hit continues into the tier:
+``prepare_admission`` starts its loads (it holds its device hits and a fresh block per tier block
+and waits), ``finish_transfers`` caches what arrived and gives the blocks back at once, so the
+next admission finds them as ordinary prefix-cache hits.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ from typing import Optional
 
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
+from pagedllm.core.contracts import KVTierStats, KVTransfers, TierCopy
+from pagedllm.core.kv_tier import LOADING, KVTier
 from pagedllm.core.request import Request
 
 
@@ -37,7 +45,7 @@ OUT_OF_WINDOW = KVCacheBlock(0)
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: Optional[int] = None) -> None:
+                 sliding_window: Optional[int] = None, tier: Optional[KVTier] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if sliding_window is not None and sliding_window < 1:
@@ -46,7 +54,12 @@ class KVCacheManager:
         self.sliding_window = sliding_window
         self.num_window_freed: dict[str, int] = {}  # leading blocks of a request freed out of the window
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        if tier is not None and not enable_prefix_caching:
+            raise ValueError("the KV offload tier keys blocks by their prefix-cache hash: it needs "
+                             "enable_prefix_caching")
+        self.tier = tier
+        self._tier_loaded_tokens: dict[str, int] = {}  # tokens a request just got from the tier (stats)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching, tier.block_evicted if tier is not None else None)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already in the map
         self.prefix_cache_queries = 0
@@ -91,11 +104,77 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        """Counted once per admission (a request retried while waiting is not counted twice)."""
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int, request_id: Optional[str] = None) -> None:
+        """Counted once per admission (a request retried while waiting is not counted twice). The
+        hit includes blocks just loaded from the tier; the tier counts its own part."""
         if self.enable_prefix_caching:
             self.prefix_cache_queries += num_tokens
             self.prefix_cache_hits += num_hit_tokens
+        if self.tier is not None and request_id is not None:
+            loaded = self._tier_loaded_tokens.pop(request_id, 0)
+            self.tier.count_lookup(num_tokens - (num_hit_tokens - loaded), loaded)
+
+    # ---- the KV offload tier ----------------------------------------------------------------
+    def prepare_admission(self, request: Request) -> bool:
+        """Before a waiting request is admitted: False while it waits for tier loads (just given
+        some, or in flight); True when it may be admitted now (blocks it loaded are prefix-cache
+        hits for ``get_computed_blocks``)."""
+        tier = self.tier
+        if tier is None:
+            return True
+        if tier.load_state(request.request_id) == LOADING:
+            return False
+        return not self._start_tier_load(request)
+
+    def _start_tier_load(self, request: Request) -> bool:
+        hits, _ = self.get_computed_blocks(request)
+        if request.sampling_params.prompt_logprobs is not None:
+            return False
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        found = self.tier.lookup(request.block_hashes[len(hits):max_hit_blocks])
+        if not found:
+            return False
+        num_hits_in_queue = sum(1 for b in hits if b.ref_cnt == 0)
+        if len(found) + num_hits_in_queue > self.pool.num_free_blocks:
+            return False  # no room to load into now: admitted as usual (it recomputes, or waits for room)
+        self.pool.touch(hits)  # held while the loads run, so the chain cannot break meanwhile
+        fresh = self.pool.get_new_blocks(len(found))
+        rid = request.request_id
+        self.req_blocks[rid] = list(hits) + fresh
+        self.num_cached_blocks[rid] = len(hits)
+        self.tier.plan_loads(rid, [TierCopy(b.block_id, slot, h) for b, (h, slot) in zip(fresh, found)])
+        return True
+
+    def finish_transfers(self, transfers: KVTransfers, failed=(), seconds: float = 0.0) -> None:
+        """A step's output is back: blocks whose loads arrived join the prefix cache (a request's
+        run stops at its first failed load: what follows is recomputed)."""
+        if self.tier is None or not transfers:
+            return
+        self._cache_loaded(self.tier.finish_step(transfers, failed, seconds))
+
+    def transfers_failed(self, transfers: KVTransfers) -> None:
+        """The step's execution raised: its loads count as failed (those requests recompute)."""
+        if self.tier is not None and transfers:
+            self._cache_loaded(self.tier.step_failed(transfers))
+
+    def _cache_loaded(self, done: list[tuple[str, list[TierCopy]]]) -> None:
+        """Loaded blocks join the prefix cache; the waiting request lets go of all its blocks
+        (most recently freed: the last to be evicted) and finds them again when admitted."""
+        for rid, copies in done:
+            blocks = self.req_blocks.pop(rid)
+            start = self.num_cached_blocks.pop(rid)
+            for k, copy in enumerate(copies):
+                block = blocks[start + k]
+                assert block.block_id == copy.block_id, (block, copy)
+                self.pool.cache_block(block, copy.block_hash)
+            self.pool.free_blocks(reversed(blocks))
+            self._tier_loaded_tokens[rid] = len(copies) * self.block_size
+
+    def take_transfers(self) -> KVTransfers:
+        return self.tier.take_transfers() if self.tier is not None else KVTransfers()
+
+    def tier_stats(self) -> Optional[KVTierStats]:
+        return self.tier.stats() if self.tier is not None else None
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate_slots(
@@ -176,9 +255,13 @@ class KVCacheManager:
     def free(self, request: Request, uncache: bool = False) -> None:
         """``uncache``: forget the prefix-cache hashes of blocks no one else holds (a failed
         step may have registered blocks whose K/V were never written)."""
-        blocks = self.req_blocks.pop(request.request_id, None)
-        self.num_cached_blocks.pop(request.request_id, None)
-        freed = self.num_window_freed.pop(request.request_id, 0)
+        rid = request.request_id
+        blocks = self.req_blocks.pop(rid, None)
+        self.num_cached_blocks.pop(rid, None)
+        freed = self.num_window_freed.pop(rid, 0)
+        if self.tier is not None:
+            self.tier.forget(rid)  # loads still in flight only unpin their slots when they are back
+            self._tier_loaded_tokens.pop(rid, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks[freed:]), uncache)
 
@@ -202,4 +285,9 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached hash, the tier's too (only when no request holds a block)."""
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.tier is not None:
+            self.tier.clear()
+        return True

@@ -224,6 +224,7 @@ class Scheduler:
             preempted_req_ids=frozenset(self._preempted_ids),
             num_spec_slots=plan.spec_slots,
             block_copies=tuple(plan.block_copies),
+            kv_transfers=self.kv.take_transfers(),
             **extra,
         )
         self._finished_ids.clear()
@@ -307,7 +308,7 @@ class Scheduler:
         for req, num_hit in zip(unit.requests, num_hits):
             assert self.waiting[0] is req
             self.waiting.popleft()
-            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit, req.request_id)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_hit
             if req.num_cached_tokens < 0:
@@ -373,6 +374,8 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if so.kv_transfers:  # first: whatever fails below, the tier's loads are accounted for
+            self.kv.finish_transfers(so.kv_transfers, runner_output.failed_kv_loads, runner_output.kv_transfer_seconds)
         requests, running = self.requests, RequestStatus.RUNNING
         for row, rid in enumerate(runner_output.req_ids):
             req = requests.get(rid)
@@ -420,6 +423,7 @@ class Scheduler:
         """The step's execution raised: finish every request it scheduled with "error" (their
         freshly registered blocks leave the prefix cache), so the engine can go on serving the
         others."""
+        self.kv.transfers_failed(scheduler_output.kv_transfers)
         failed = self.finish_requests(list(scheduler_output.num_scheduled_tokens), RequestStatus.FINISHED_ERROR)
         return [EngineCoreOutput(rid, [], finish_reason="error") for rid in failed]
 
@@ -431,6 +435,7 @@ class Scheduler:
         Returns the requests, in their order in the step."""
         ids = [rid for rid in scheduler_output.num_scheduled_tokens if rid in self.requests]
         self._finished_ids |= scheduler_output.finished_req_ids
+        self.kv.transfers_failed(scheduler_output.kv_transfers)
         seen: set[int] = set()
         for rid in reversed(ids):
             req = self.requests[rid]
@@ -454,4 +459,5 @@ class Scheduler:
             num_batched_reqs_max=self.num_batched_reqs_max,
             **{k: v for c in self.constraints for k, v in c.stats(self.running, self.waiting).items()},
             **self.look_ahead.stats(),
+            kv_tier=self.kv.tier_stats(),
         )

@@ -116,6 +116,8 @@ class RequestUnit:
 
     def admit(self, sched, plan: StepPlan) -> str:
         req = self.request
+        if sched.kv.tier is not None and not sched.kv.prepare_admission(req):
+            return SET_ASIDE  # its blocks come from the KV offload tier with this step; admitted after
         hit_blocks, num_hit = sched.kv.get_computed_blocks(req)
         num_new = req.num_tokens - num_hit
         if not sched.limits.enable_chunked_prefill and num_new > plan.budget:
