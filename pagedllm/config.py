@@ -16,6 +16,8 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
 # KV cache storage (attention/kv_quant.py): "fp8" is an alias of "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# The KV offload tier's stores (worker/kv_tier/): "native" host memory, "disk" files.
+KV_OFFLOADING_BACKENDS = ("native", "disk")
 
 
 def default_model_path() -> str:
@@ -162,6 +164,36 @@ class EngineConfig:
     # the scheduler's queue order and preemption victim (core/scheduling_policy.py): "fcfs" (arrival order) or
     # "priority" (by Request.priority, lower first, then arrival; vLLM's rule)
     scheduling_policy: str = "fcfs"
+    # The KV offload tier (core/kv_tier.py, worker/kv_tier/): blocks evicted from the KV cache are kept in a
+    # larger, slower store and loaded back on a prefix hit instead of recomputed. Off (None) by default.
+    kv_offloading_size: Optional[float] = None  # GiB, summed over the tensor-parallel ranks (vLLM's meaning)
+    kv_offloading_backend: str = "native"  # "native": host memory (pinned on GPU); "disk": files under kv_offload_dir
+    kv_offload_dir: Optional[str] = None  # the disk tier's directory (kv_offloading_backend "disk")
+
+    def _check_kv_offloading(self) -> None:
+        if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend must be one of {list(KV_OFFLOADING_BACKENDS)}, got "
+                             f"{self.kv_offloading_backend!r}")
+        size = self.kv_offloading_size
+        if size is None:
+            return
+        if not 0 < size < float("inf"):
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size: the KV offload tier keys blocks by their prefix-cache hash; it "
+                             "needs enable_prefix_caching")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("kv_offloading_size: the KV offload tier does not support pipeline_parallel_size > 1 "
+                             "yet")
+        if self.distributed_executor_backend == "ray":
+            raise ValueError("kv_offloading_size: the KV offload tier does not support "
+                             "distributed_executor_backend='ray' yet")
+        spec = self.speculative_config
+        if spec is not None and spec.method in ("draft_model", "eagle"):
+            raise ValueError(f"kv_offloading_size: the KV offload tier does not keep a draft model's cache; "
+                             f"speculative_config method {spec.method!r} is not supported with it yet (use 'ngram')")
+        if self.kv_offloading_backend == "disk" and not self.kv_offload_dir:
+            raise ValueError("kv_offloading_backend 'disk' needs kv_offload_dir (a directory for the block files)")
 
     def _check_pipeline_parallel(self) -> None:
         pp = self.pipeline_parallel_size
@@ -267,6 +299,7 @@ class EngineConfig:
         if self.max_loras_per_step is not None and not 1 <= self.max_loras_per_step <= self.max_loras:
             raise ValueError(f"max_loras_per_step must be in 1..max_loras ({self.max_loras}), got "
                              f"{self.max_loras_per_step}")
+        self._check_kv_offloading()
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got "
                              f"{self.scheduling_policy!r}")

@@ -18,6 +18,7 @@ from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num
 from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedllm.core.engine_request import EngineCoreRequest, EngineLimits, StepTiming
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_tier import KVTier
 from pagedllm.core.request import Request, RequestStatus, finish_reason_of
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.executor.base import Executor
@@ -67,8 +68,11 @@ class EngineCore:
         # Steps kept in flight: one per pipeline stage, or what an asynchronous executor runs at
         # once (executor/simulated.py: the host prepares step N+1 while the device runs step N).
         self.batch_depth = max(self.pp_size, getattr(self.executor, "max_concurrent_batches", 1))
+        tier_spec = self.executor.kv_tier_spec
+        tier = (KVTier(tier_spec.num_slots, tier_spec.bytes_per_block, tier_spec.backend) if tier_spec is not None
+                else None)
         self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
-                                               sliding_window=self.executor.sliding_window)
+                                               sliding_window=self.executor.sliding_window, tier=tier)
         limits = SchedulerLimits(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -238,7 +242,7 @@ class EngineCore:
             # the scheduler's InFlightBatches constraint splits the requests into micro-batches
             so = sched.schedule()
             self._mark(0)
-            if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+            if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids or so.kv_transfers:
                 grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
                 self.executor.submit(so, grammar)
                 self._mark(1)
@@ -269,7 +273,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         for group in (ids[:half], ids[half:]):
             so = self.scheduler.schedule(only=set(group))
-            if not so.num_scheduled_tokens:
+            if not so.num_scheduled_tokens and not so.kv_transfers:
                 continue
             try:
                 runner_output = self._execute(so)

@@ -85,6 +85,12 @@ _HELP = {
     "max_cpu_loras": "LoRA adapters kept read in host memory per worker, least recently used dropped (default "
                      "max_loras)",
     "max_loras_per_step": "most distinct LoRA adapters in one step (default max_loras)",
+    "kv_offloading_size": "KV offload tier size in GiB (summed over tensor-parallel ranks): KV blocks evicted from "
+                          "the cache are kept there and loaded back on a prefix hit instead of recomputed (default "
+                          "off)",
+    "kv_offloading_backend": "the KV offload tier's store: native (host memory; pinned on GPU) or disk (files under "
+                             "--kv-offload-dir)",
+    "kv_offload_dir": "directory of the disk KV offload tier's block files (--kv-offloading-backend disk)",
 }
 _SKIP = {"model"}
 def parse_size(text: str) -> int:

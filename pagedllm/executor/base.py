@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol, runtime_checkable
 
-from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
 
 
 @runtime_checkable
@@ -22,6 +22,7 @@ class Executor(Protocol):
     num_blocks: int  # KV cache blocks per rank (the same on every rank)
     max_model_len: int  # the context length served: lowered to what the KV cache holds unless the user set it
     sliding_window: Optional[int]  # the window every attention layer shares (blocks behind it are freed), else None
+    kv_tier_spec: Optional[KVTierSpec]  # the workers' KV offload tier (slots, bytes per block), else None
 
     @property
     def num_forward_tokens(self) -> int:

@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,7 @@ class MultiprocExecutor:
     num_blocks: int
     max_model_len: int
     sliding_window: Optional[int]
+    kv_tier_spec: Optional[KVTierSpec]
     weight_bytes_per_rank: list[int]
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -222,6 +223,7 @@ class MultiprocExecutor:
             self.worker.initialize_cache(self.num_blocks)
             self.max_model_len = self.worker.max_model_len  # every rank fitted the same value
             self.sliding_window = self.worker.kv_sliding_window
+            self.kv_tier_spec = self.worker.kv_tier_spec  # every rank sized the same slots
             import torch.distributed as dist
 
             sizes = [None] * world

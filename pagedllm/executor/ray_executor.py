@@ -34,7 +34,7 @@ import socket
 import threading
 from typing import Optional
 
-from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class RayExecutor:
     max_model_len: int
     sliding_window: Optional[int]
     weight_bytes_per_rank: list[int]
+    kv_tier_spec: Optional[KVTierSpec] = None  # the KV offload tier is not supported with Ray yet (config refuses it)
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
         if config.pipeline_parallel_size > 1:

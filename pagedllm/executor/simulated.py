@@ -81,6 +81,7 @@ class SimulatedDeviceExecutor:
         self.num_blocks = inner.num_blocks if inner is not None else num_blocks
         self.max_model_len = inner.max_model_len if inner is not None else max_model_len
         self.sliding_window: Optional[int] = inner.sliding_window if inner is not None else None
+        self.kv_tier_spec = inner.kv_tier_spec if inner is not None else None
         self.device_seconds = device_seconds
         self.host_seconds = host_seconds
         self.device_busy = 0.0  # seconds the device thread spent on steps

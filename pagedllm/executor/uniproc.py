@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
 
 
 class UniprocExecutor:
     num_blocks: int
     max_model_len: int
     sliding_window: Optional[int]
+    kv_tier_spec: Optional[KVTierSpec]
     is_dead = False  # an exception in the in-process worker leaves it usable for other requests
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -24,6 +25,7 @@ class UniprocExecutor:
         self.num_blocks = num_blocks
         self.max_model_len = self.worker.max_model_len  # lowered to what the cache holds if not set
         self.sliding_window = self.worker.kv_sliding_window
+        self.kv_tier_spec = self.worker.kv_tier_spec
 
     @property
     def num_forward_tokens(self) -> int:

@@ -75,6 +75,7 @@ class PrometheusMetrics:
         self._last = None  # previous SchedulerStats, for counter deltas
         self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
         self._spec_prefix = prefix
+        self._kv_offload = None  # KV offload tier metrics, made when the engine has a tier
         self._prefix = prefix
         self._lora_info = None  # vLLM's lora_requests_info, when the engine serves LoRA adapters
         self._lora_labels = None
@@ -153,6 +154,12 @@ class PrometheusMetrics:
                 self._spec = SpecDecodeMetrics(self.registry, self._spec_prefix, self._model_name)
             if self._spec is not None:
                 self._spec.update(stats, last)
+            if stats.kv_tier is not None:  # the KV offload tier (metrics/kv_offload.py)
+                if self._kv_offload is None:
+                    from pagedllm.metrics.kv_offload import KVOffloadMetrics
+
+                    self._kv_offload = KVOffloadMetrics(self.registry, self._prefix, self._model_name)
+                self._kv_offload.update(stats.kv_tier, last.kv_tier if last is not None else None)
             self._last = stats
 
     def on_step(self, stats, seconds: float) -> None:

@@ -75,6 +75,7 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.num_forward_tokens = 0
         self.lora = plugins.lora
+        self.kv_tier = plugins.kv_tier
         self.spec = plugins.spec(self.sampler.generator if self.sampler else None) if plugins.spec else NoSpec()
         eager = EagerForward(model, self.lora)
         self._forward_path = (PipelineStageForward(model, self.pp, device) if self.pp is not None
@@ -88,15 +89,16 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
         """prepare -> forward -> sample / verify / score -> update. ``grammar``: the structured-output
         bitmasks of the step (a StepGrammar; rank 0 only)."""
+        tier = self._run_kv_transfers(so)  # the KV offload tier first: stores read blocks this step reuses
         self._apply_diffs(so)
         if so.is_empty:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], **tier)
         drafts, draft_probs = self.spec.propose(self, so)
         inputs = self._prepare_inputs(so, drafts)
         hidden = self._forward(inputs)
         if self._ends_at_stage:  # the next stage has the hidden states now
             self._update_states(inputs, [])
-            return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids])
+            return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids], **tier)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)  # before the states grow
         beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler)  # takes the beam rows out of sampling
         num_drafts = None
@@ -107,7 +109,16 @@ class ModelRunner:
             sampled_lists = self._update_states(inputs, sampled)
         self.spec.observe(self, inputs, hidden)  # EAGLE: the target's hidden states of the computed positions
         return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs,
-                                 num_draft_tokens=num_drafts, beam_candidates=beams)
+                                 num_draft_tokens=num_drafts, beam_candidates=beams, **tier)
+
+    def _run_kv_transfers(self, so: SchedulerOutput) -> dict:
+        """The step's KV offload tier moves; the output fields reporting them (none without)."""
+        if not so.kv_transfers:
+            return {}
+        if self.kv_tier is None:
+            raise RuntimeError("the scheduler planned KV offload tier transfers but this worker has no tier")
+        failed, seconds = self.kv_tier.run(so.kv_transfers)
+        return {"failed_kv_loads": failed, "kv_transfer_seconds": seconds}
 
     # ---- 1. state diffs ---------------------------------------------------------------------
     def apply_new_tokens(self, new_tokens: dict[str, list[int]]) -> None:

@@ -6,6 +6,8 @@ the ModelRunner at construction (worker/worker.py builds them; nothing is wired 
 - ``SpecPlugin`` (spec_decode/decoder.py's SpecDecoder): proposes drafts before the forward,
   verifies them instead of sampling, observes the target's hidden states after the step;
 - ``GraphPlugin`` (worker/cuda_graphs.py's DecodeGraphRunner): replays a captured decode step;
+- ``KVTierPlugin`` (worker/kv_tier/transfer.py's TierTransfers): the KV offload tier's stores and
+  loads of the step (SchedulerOutput.kv_transfers), run first;
 - the forward path, chosen once: ``EagerForward`` (with LoRA rows), ``GraphForward`` (decode-only
   steps replay a graph, others run eagerly) or ``PipelineStageForward`` (receive the previous
   stage's tensors, run this stage's layers, send them on).
@@ -49,6 +51,10 @@ class GraphPlugin(Protocol):
             seq_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor: ...
 
 
+class KVTierPlugin(Protocol):
+    def run(self, transfers) -> tuple[frozenset[int], float]: ...  # (device blocks whose load failed, seconds)
+
+
 class NoSpec:
     """Without speculative decoding: nothing proposed, nothing observed."""
 
@@ -70,6 +76,7 @@ class RunnerPlugins:
     lora: Optional[LoRAPlugin] = None
     spec: Optional[Callable[[Optional[torch.Generator]], SpecPlugin]] = None
     graphs: Optional[GraphPlugin] = None
+    kv_tier: Optional[KVTierPlugin] = None
 
 
 # ---- forward paths ------------------------------------------------------------------------------

@@ -163,6 +163,8 @@ class Worker:
         self.kv_cache: torch.Tensor | None = None
         self.kv_scales: torch.Tensor | None = None  # kv_cache_dtype fp8/int8: a scale per (token, kv head)
         self.runner: ModelRunner | None = None
+        self.kv_tier = None  # the KV offload tier's copies (worker/kv_tier/), with kv_offloading_size
+        self.kv_tier_spec = None  # its KVTierSpec for the core (None: no tier)
         self.drafter = self._make_drafter()  # speculative decoding's draft model, if any (spec_decode/)
 
     def _check_kv_cache_dtype(self) -> None:
@@ -279,9 +281,10 @@ class Worker:
                 layer.bind(self.backend, self.kv_cache[:, i])
             else:
                 layer.bind(self.backend, self.kv_cache[:, i], self.kv_scales[:, i])
+        self.kv_tier = self._make_kv_tier()
         self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed,
                                   RunnerPlugins(lora=self.lora, spec=self._spec_plugin(num_blocks),
-                                                graphs=self.platform.graph_plugin(self)))
+                                                graphs=self.platform.graph_plugin(self), kv_tier=self.kv_tier))
         if leader:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tokens = num_blocks * spec.block_size
@@ -310,6 +313,39 @@ class Worker:
                 logger.info("KV cache per token: %d bytes of compressed latent + rope key (the same attention as "
                             "MHA would cache %d bytes: %.1fx more)", spec.bytes_per_token, equivalent,
                             equivalent / spec.bytes_per_token)
+
+    def _make_kv_tier(self):
+        """The KV offload tier's store and copies (worker/kv_tier/), sized from kv_offloading_size
+        (GiB over all tensor-parallel ranks); ``kv_tier_spec`` tells the core its slots."""
+        size = self.config.kv_offloading_size
+        if size is None:
+            return None
+        from pagedllm.core.contracts import KVTierSpec
+        from pagedllm.worker.kv_tier.factory import make_tier_store
+        from pagedllm.worker.kv_tier.store import TierBlockLayout
+        from pagedllm.worker.kv_tier.transfer import TierTransfers
+
+        tp = get_tp_group()
+        caches = [self.kv_cache] if self.kv_scales is None else [self.kv_cache, self.kv_scales]
+        layout = TierBlockLayout.of(caches)
+        per_rank = int(size * (1 << 30)) // tp.world_size
+        num_slots = per_rank // layout.bytes_per_block
+        if num_slots < 1:
+            raise ValueError(f"kv_offloading_size {size:g} GiB holds no KV block (one block is "
+                             f"{layout.bytes_per_block * tp.world_size} bytes over {tp.world_size} rank(s))")
+        if self.config.kv_offloading_backend == "native":
+            host = read_host_memory()
+            if num_slots * layout.bytes_per_block > host.available:
+                raise ValueError(f"kv_offloading_size {size:g} GiB does not fit in host memory: this rank's share "
+                                 f"{gib(num_slots * layout.bytes_per_block)} > {gib(host.available)} available "
+                                 f"({host.describe()})")
+        store = make_tier_store(self.config, layout, num_slots, tp.rank, self.device)
+        self.kv_tier_spec = KVTierSpec(num_slots, layout.bytes_per_block * tp.world_size,
+                                       self.config.kv_offloading_backend)
+        if tp.rank == 0:
+            logger.info("KV offload tier (%s): %d blocks = %s per rank (%d tokens)", self.config.kv_offloading_backend,
+                        num_slots, gib(num_slots * layout.bytes_per_block), num_slots * self.kv_spec.block_size)
+        return TierTransfers(store, caches, tp)
 
     def _spec_plugin(self, num_blocks: int):
         """Speculative decoding (spec_decode/): proposers and verification, drawing from the

@@ -11,7 +11,8 @@ from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 
-MEMBERS = {"num_blocks", "max_model_len", "sliding_window", "num_forward_tokens", "weight_bytes_per_rank", "is_dead", "execute", "shutdown"}
+MEMBERS = {"num_blocks", "max_model_len", "sliding_window", "num_forward_tokens", "weight_bytes_per_rank", "is_dead", "execute", "shutdown",
+           "kv_tier_spec"}
 
 
 def protocol_members():

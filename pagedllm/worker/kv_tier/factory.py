@@ -1,0 +1,24 @@
+"""Which KV offload tier store a configuration names (``kv_offloading_backend``), built per rank."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.worker.kv_tier.store import KVTierStore, TierBlockLayout
+
+
+def make_tier_store(config, layout: TierBlockLayout, num_slots: int, rank: int, device: torch.device) -> KVTierStore:
+    """The store ``config.kv_offloading_backend`` names, for this rank."""
+    backend = config.kv_offloading_backend
+    if backend == "native":
+        from pagedllm.worker.kv_tier.host import HostTierStore
+
+        return HostTierStore(layout, num_slots, pin_memory=device.type == "cuda")
+    if backend == "disk":
+        import importlib.util
+
+        if importlib.util.find_spec("pagedllm.worker.kv_tier.disk") is None:
+            raise ValueError("kv_offloading_backend 'disk' is not available in this build yet")
+        from pagedllm.worker.kv_tier.disk import DiskTierStore  # worker/kv_tier/disk.py (issue 36, the disk tier)
+
+        return DiskTierStore(config, layout, num_slots, rank)
+    raise ValueError(f"unknown kv_offloading_backend {backend!r}")
