@@ -6,7 +6,7 @@ continuing requests as (new block ids, computed count).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -22,6 +22,20 @@ class LoRAHandle:
 
 
 @dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """One image of a prompt (made by pagedllm/multimodal): the prompt positions its encoder output
+    fills (``offset``, ``length``: its expanded placeholder tokens), its ``content_hash`` (hex
+    sha256 of the encoder input; keys the KV blocks it overlaps, core/block_hash.py), and ``data``,
+    the encoder's input (numpy float32 pixel values [3, H, W] for an image), opaque to the core."""
+
+    offset: int
+    length: int
+    content_hash: str
+    data: Any = None
+    modality: str = "image"
+
+
+@dataclass(frozen=True, slots=True)
 class NewRequestData:
     """A request the workers have not seen (or a preempted one being resumed: sent again in full)."""
 
@@ -34,6 +48,7 @@ class NewRequestData:
     num_output_tokens: int
     lora_slot: int = -1  # the adapter slot its tokens use (-1: the base model)
     beam: Optional[BeamRow] = None  # a beam of a beam-search group: scored, not sampled
+    mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images: the encoder runs on them
 
 
 @dataclass(frozen=True, slots=True)

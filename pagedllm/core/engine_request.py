@@ -48,6 +48,7 @@ class EngineCoreRequest:
     beam: Optional[BeamSpec] = None  # set: one beam group (num_children is 1)
     cache_salt: Optional[str] = None  # keys its first KV block with the tokens (tenants never share KV)
     priority: int = 0  # scheduling_policy "priority": lower first (0 otherwise)
+    mm_features: tuple = ()  # its prompt's images (contracts.MultiModalFeature), placeholders expanded
 
     @property
     def child_ids(self) -> list[str]:

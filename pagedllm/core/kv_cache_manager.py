@@ -87,7 +87,8 @@ class KVCacheManager:
 
     # ---- prefix cache -----------------------------------------------------------------------
     def _update_hashes(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_key)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_key,
+                            request.mm_features)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks for this request's tokens. The hit is capped so at

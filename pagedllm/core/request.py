@@ -58,6 +58,7 @@ class Request:
         "lora_slot",
         "priority",
         "unit",
+        "mm_features",
     )
 
     def __init__(
@@ -70,6 +71,7 @@ class Request:
         cache_salt: Optional[str] = None,
         lora: Optional[LoRAHandle] = None,
         priority: int = 0,
+        mm_features: tuple = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -90,6 +92,9 @@ class Request:
         self.lora_slot = -1  # the adapter slot it holds while running (-1: none)
         self.priority = priority  # lower runs first under the "priority" scheduling policy (vLLM's rule)
         self.unit = None  # its scheduling unit (core/scheduling_units.py), set by the scheduler
+        # its prompt's images (contracts.MultiModalFeature): placeholder spans, content hashes (in the
+        # block hash chain) and the encoder inputs the workers get with it
+        self.mm_features = tuple(mm_features)
 
     @property
     def cache_key(self) -> Optional[str]:

@@ -333,6 +333,7 @@ class Scheduler:
             num_computed_tokens=req.num_computed_tokens,
             num_output_tokens=req.num_output_tokens,
             lora_slot=req.lora_slot,
+            mm_features=req.mm_features,
         )
 
     def send(self, req: Request, plan: StepPlan, new_block_ids: Optional[list[int]] = None) -> None:
