@@ -169,6 +169,9 @@ class EngineConfig:
     kv_offloading_size: Optional[float] = None  # GiB, summed over the tensor-parallel ranks (vLLM's meaning)
     kv_offloading_backend: str = "native"  # "native": host memory (pinned on GPU); "disk": files under kv_offload_dir
     kv_offload_dir: Optional[str] = None  # the disk tier's directory (kv_offloading_backend "disk")
+    # a directory whose image files prompts may name (a path or file:// URL; vLLM's --allowed-local-media-path);
+    # None: no local files. Remote http(s) image URLs are never fetched.
+    allowed_local_media_path: Optional[str] = None
 
     def _check_kv_offloading(self) -> None:
         if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:

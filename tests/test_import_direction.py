@@ -28,7 +28,7 @@ RANKS = [
     ["layers", "structured_output"],
     ["quantization"],  # linear layers ask their quantization method for weights and matmul
     ["attention", "sample"],
-    ["kernels", "distributed", "tokenizer", "metrics"],
+    ["kernels", "distributed", "tokenizer", "metrics", "multimodal"],
     ["core"],
     ["config", "sampling_params", "outputs", "inputs"],
     ["envs", "version"],

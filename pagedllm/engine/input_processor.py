@@ -33,6 +33,7 @@ class ProcessedPrompt:
     token_ids: list[int]
     cache_salt: Optional[str] = None
     priority: int = 0
+    mm_features: tuple = ()  # its images (contracts.MultiModalFeature): placeholders expanded in token_ids
 
     def __iter__(self):  # (text, ids) unpacking, as process() returned before
         return iter((self.text, self.token_ids))
@@ -43,7 +44,10 @@ PromptType = Union[str, list[int], dict[str, Any], ProcessedPrompt]
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, limits: Optional[EngineLimits] = None,
-                 eos_token_ids: Optional[list[int]] = None, lora_registry=None, structured=None) -> None:
+                 eos_token_ids: Optional[list[int]] = None, lora_registry=None, structured=None,
+                 images=None, allowed_local_media_path: Optional[str] = None) -> None:
+        """``images``: the model's multimodal.processor.ImagePromptProcessor (None: a text model);
+        ``allowed_local_media_path``: where images may be read from local files (None: nowhere)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -51,6 +55,8 @@ class InputProcessor:
         self.eos_token_ids = list(eos_token_ids or [])
         self.lora_registry = lora_registry  # LoRARegistry (enable_lora) or None
         self.structured = structured  # StructuredOutputManager (has a tokenizer) or None
+        self.images = images
+        self.allowed_local_media_path = allowed_local_media_path
         self.max_prompt_chars = 2 * max_model_len * max_token_chars(tokenizer) if tokenizer is not None else 0
 
     # ---- prompts ----------------------------------------------------------------------------
@@ -92,6 +98,13 @@ class InputProcessor:
                 self.check_text_length(text)
             ids = self.tokenizer.encode(text)
         ids = list(ids)
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        features: tuple = ()
+        if mm_data is not None or (self.images is not None and self.images.image_token_id in ids):
+            if truncate_prompt_tokens is not None:
+                raise ValueError("truncate_prompt_tokens cannot be combined with images (it would cut through "
+                                 "their placeholders)")
+            ids, features = self._expand_images(ids, mm_data)
         if truncate_prompt_tokens is not None:
             keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
             ids = ids[-keep:]
@@ -105,8 +118,15 @@ class InputProcessor:
                 f"prompt is {len(ids)} tokens, but max_model_len is {self.max_model_len}: there is no room to generate"
             )
         if isinstance(prompt, dict):  # vLLM's prompt fields; the server's request priority
-            return ProcessedPrompt(text, ids, prompt.get("cache_salt"), prompt.get("priority", 0))
+            return ProcessedPrompt(text, ids, prompt.get("cache_salt"), prompt.get("priority", 0), features)
         return ProcessedPrompt(text, ids)
+
+    def _expand_images(self, ids: list[int], mm_data) -> tuple[list[int], tuple]:
+        """The ids with each image placeholder expanded, and the images' features."""
+        if self.images is None:
+            raise ValueError("multi_modal_data: this model takes no images")
+        images = self.images.images_of(mm_data) if mm_data is not None else []
+        return self.images.process(ids, images, self.allowed_local_media_path)
 
     # ---- adapters and constraints -----------------------------------------------------------
     def resolve_lora(self, lora_request):
@@ -159,6 +179,8 @@ class InputProcessor:
             if limits.speculative:
                 raise ValueError("structured_outputs cannot be combined with speculative decoding on this engine yet")
         prompt = self.process(prompt, params.truncate_prompt_tokens)
+        if prompt.mm_features:
+            self._check_images_supported(limits)
         lora = self.resolve_lora(lora_request)
         max_tokens = self.max_model_len - len(prompt.token_ids)
         if params.max_tokens is not None:
@@ -171,7 +193,7 @@ class InputProcessor:
         num_children = params.n
         return prompt, EngineCoreRequest(request_id, prompt.token_ids, params, max_tokens, _now(arrival_time),
                                          num_children=num_children, lora=lora, cache_salt=prompt.cache_salt,
-                                         priority=prompt.priority)
+                                         priority=prompt.priority, mm_features=prompt.mm_features)
 
     def make_beam_request(self, request_id: str, prompt: PromptType, params,
                           arrival_time: Optional[float] = None, lora_request=None
@@ -188,6 +210,8 @@ class InputProcessor:
             raise ValueError(f"beam_width must be at most max_num_seqs and max_num_batched_tokens (the beams run "
                              f"as sequences of one step), got {params.beam_width}")
         prompt = self.process(prompt)
+        if prompt.mm_features:
+            raise ValueError("beam search with images (multi_modal_data) is not supported yet")
         ids = prompt.token_ids
         max_tokens = min(self.max_model_len - len(ids), params.max_tokens)
         need = params.beam_width * -(-(len(ids) + max_tokens) // limits.block_size)
@@ -198,6 +222,11 @@ class InputProcessor:
         beam = BeamSpec(params.beam_width, params.length_penalty, params.early_stopping)
         return prompt, EngineCoreRequest(request_id, ids, sp, max_tokens, _now(arrival_time), beam=beam,
                                          cache_salt=prompt.cache_salt, priority=prompt.priority)
+
+    @staticmethod
+    def _check_images_supported(limits: EngineLimits) -> None:
+        if limits.speculative:
+            raise ValueError("multi_modal_data cannot be combined with speculative decoding on this engine yet")
 
     def _limits(self) -> EngineLimits:
         if self.limits is None:

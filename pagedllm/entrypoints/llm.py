@@ -91,12 +91,23 @@ class LLM(PoolingAPI):
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        items = [
-            {"prompt_token_ids": apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template,
-                                                    **(chat_template_kwargs or {}))}
-            for conv in conversations
-        ]
+        items = [self._chat_item(conv, add_generation_prompt, chat_template, chat_template_kwargs)
+                 for conv in conversations]
         return self._run(items, self._expand_params(sampling_params, len(items)), use_tqdm, lora_request)
+
+    def _chat_item(self, conv, add_generation_prompt: bool, chat_template, chat_template_kwargs) -> dict[str, Any]:
+        """One conversation's prompt: content parts flattened (an image part becomes the model's
+        placeholder; its image goes to multi_modal_data), then the chat template."""
+        from pagedllm.multimodal.chat_content import flatten_messages
+
+        processor = self.engine.input_processor.images
+        conv, images = flatten_messages(conv, processor.placeholder if processor is not None else None,
+                                        self.engine.config.allowed_local_media_path)
+        item: dict[str, Any] = {"prompt_token_ids": apply_chat_template(
+            self.engine.tokenizer, conv, add_generation_prompt, chat_template, **(chat_template_kwargs or {}))}
+        if images:
+            item["multi_modal_data"] = {"image": images}
+        return item
 
     def _expand_params(self, sp, n: int) -> list[SamplingParams]:
         if sp is None:

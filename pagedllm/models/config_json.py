@@ -31,6 +31,41 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# LLaVA (LlavaForConditionalGeneration): a CLIP vision tower, a projector and one of the text
+# families above. Its config is read flat: the text model's fields at the top (what the engine,
+# the worker and the layers read), the vision tower's under ``vision_config``.
+_CLIP_VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                    num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5)
+_LLAVA = dict(image_token_index=32000, projector_hidden_act="gelu", vision_feature_select_strategy="default",
+              vision_feature_layer=-2, multimodal_projector_bias=True)
+_TEXT_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+              "qwen3": "Qwen3ForCausalLM"}
+MULTIMODAL_TEXT_ARCHS = tuple(_TEXT_ARCH.values())
+
+
+def _llava_values(raw: dict[str, Any]) -> Optional[dict[str, Any]]:
+    text = dict(raw.get("text_config") or {"model_type": "llama"})
+    text_arch = (text.get("architectures") or [None])[0] or _TEXT_ARCH.get(text.get("model_type", "llama"))
+    if text_arch not in MULTIMODAL_TEXT_ARCHS:
+        raise ValueError(f"LLaVA with a {text_arch or text.get('model_type')!r} language model is not supported "
+                         f"(supported: {', '.join(MULTIMODAL_TEXT_ARCHS)})")
+    vision = dict(_CLIP_VISION)
+    vision.update(raw.get("vision_config") or {})
+    if vision.get("model_type", "clip_vision_model") != "clip_vision_model":
+        raise ValueError(f"LLaVA with a {vision['model_type']!r} vision tower is not supported (supported: "
+                         "clip_vision_model)")
+    values = {k: raw.get(k, v) for k, v in _LLAVA.items()}
+    if "image_token_id" in raw and "image_token_index" not in raw:
+        values["image_token_index"] = raw["image_token_id"]
+    text.pop("architectures", None)
+    for key in ("torch_dtype", "dtype", "tie_word_embeddings"):
+        if key in raw and key not in text:
+            text[key] = raw[key]
+    text.update(values, architectures=[raw["architectures"][0]], text_architecture=text_arch,
+                vision_config=JsonConfig(vision))
+    return _with_defaults(text_arch, text)
+
+
 class JsonConfig:
     """Attribute access over config.json plus defaults (picklable, for worker processes)."""
 
@@ -54,12 +89,18 @@ def load_config_json(model_dir: str) -> Optional[JsonConfig]:
             raw = json.load(f)
     except (OSError, ValueError):
         return None
-    archs = raw.get("architectures") or []
+    archs = raw.get("architectures") or [] if isinstance(raw, dict) else []
+    if archs == ["LlavaForConditionalGeneration"] and not raw.get("quantization_config"):
+        return JsonConfig(_llava_values(raw))
     if not isinstance(raw, dict) or len(archs) != 1 or archs[0] not in _DEFAULTS:
         return None
     if raw.get("quantization_config") or raw.get("text_config"):
         return None
-    values = dict(_DEFAULTS[archs[0]])
+    return JsonConfig(_with_defaults(archs[0], raw))
+
+
+def _with_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    values = dict(_DEFAULTS[arch])
     values.update(raw)
     rope = raw.get("rope_parameters")
     if isinstance(rope, dict):
@@ -75,7 +116,7 @@ def load_config_json(model_dir: str) -> Optional[JsonConfig]:
         values["sliding_window"] = None
     if "torch_dtype" not in raw and "dtype" in raw:
         values["torch_dtype"] = raw["dtype"]
-    return JsonConfig(values)
+    return values
 
 
 def load_hf_config(model_dir: str):

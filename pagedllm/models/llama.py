@@ -126,11 +126,14 @@ class LlamaModel(nn.Module):
             raise ValueError("per-layer sliding windows (layer_types) are not supported yet")
         return getattr(config, "sliding_window", None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None,
+                inputs_embeds: Optional[torch.Tensor] = None):
         """Hidden states after the final norm; on a pipeline stage before the last, the
-        (hidden, residual) tensors for the next stage. ``intermediate``: the previous stage's."""
+        (hidden, residual) tensors for the next stage. ``intermediate``: the previous stage's;
+        ``inputs_embeds``: the first stage's input instead of embedding ``input_ids`` (LLaVA's, with
+        image features at the placeholder positions)."""
         if self.is_first:
-            h, residual = self.embed_tokens(input_ids), None
+            h, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
         else:
             h, residual = intermediate
         rope = self.rotary.cos_sin(positions, h.dtype)

@@ -11,6 +11,7 @@ from pagedllm.models.gpt_neox import GPTNeoXForCausalLM
 from pagedllm.models.granite import GraniteForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 from pagedllm.models.deepseek_v3 import DeepseekV3ForCausalLM
+from pagedllm.models.llava import LlavaForConditionalGeneration
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmo2 import Olmo2ForCausalLM
 from pagedllm.models.phi import PhiForCausalLM
@@ -41,6 +42,7 @@ MODEL_REGISTRY = {
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,  # images in the prompt (pagedllm/multimodal)
 }
 
 

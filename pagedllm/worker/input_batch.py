@@ -129,6 +129,8 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_rows: np.ndarray  # batch rows that produce a token this step (not a partial prefill chunk)
     logits_indices: torch.Tensor  # [S] long: flat index of each sampling row's last token
+    # images: (flat token indices [K], encoder features [K, hidden]) replacing those tokens' embeddings
+    mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @property
     def num_tokens(self) -> int:

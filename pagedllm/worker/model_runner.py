@@ -40,6 +40,7 @@ from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.sample.metadata import build_sampling_metadata, greedy_metadata, is_plain_greedy
 from pagedllm.sample.sampler import Sampler, SamplerOutput, compute_logprob_table
 from pagedllm.worker.beam_rows import score_beam_rows
+from pagedllm.worker.encoder_cache import EncoderCache
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.runner_plugins import (
     EagerForward,
@@ -83,6 +84,8 @@ class ModelRunner:
         # pipeline parallelism: the driver passes the sampled ids to every stage (apply_new_tokens)
         self._share_sampled = self.tp.share_sampled if self.pp is None else _keep
         self._ends_at_stage = self.pp is not None and not self.pp.is_last  # the next stage goes on
+        # a multimodal model: its requests' images and the encoder outputs their prefill still needs
+        self.encoder_cache = EncoderCache(model, device) if getattr(model, "supports_multimodal", False) else None
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -157,6 +160,8 @@ class ModelRunner:
                 beam=nr.beam,
                 lora_slot=nr.lora_slot,
             )
+            if nr.mm_features and self.encoder_cache is not None:
+                self.encoder_cache.add(nr.req_id, nr.mm_features)
         table = self.block_table
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
@@ -168,6 +173,8 @@ class ModelRunner:
         st = self.requests.pop(req_id, None)
         if st is not None:
             self.batch.remove(st.row)
+        if self.encoder_cache is not None:
+            self.encoder_cache.drop(req_id)
 
     # ---- 2. prepare inputs ------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None) -> StepInputs:
@@ -204,6 +211,7 @@ class ModelRunner:
         logits_indices = qsl[1:][sample_rows] - 1
 
         dev = self.device
+        mm = None if self.encoder_cache is None else self.encoder_cache.step_embeds(req_ids, starts, n_sched, qsl)
         return StepInputs(
             req_ids=req_ids,
             states=states,
@@ -217,6 +225,7 @@ class ModelRunner:
             attn_metadata=AttentionMetadata.from_host(qsl, seq_lens, block_table, slots, dev),
             sample_rows=sample_rows,
             logits_indices=torch.from_numpy(logits_indices).to(dev),
+            mm_embeds=mm,
         )
 
     # ---- 3. forward ------------------------------------------------------------------------

@@ -93,6 +93,8 @@ class EagerForward:
             lora.begin_step(np.repeat([s.lora_slot for s in inputs.states], inputs.num_scheduled))
         try:
             with set_attention_metadata(inputs.attn_metadata):
+                if inputs.mm_embeds is not None:  # a multimodal model's image positions in this step
+                    return self.model(inputs.input_ids, inputs.positions, mm_embeds=inputs.mm_embeds)
                 return self.model(inputs.input_ids, inputs.positions)
         finally:
             if lora is not None:
@@ -108,7 +110,7 @@ class GraphForward:
 
     def __call__(self, inputs: StepInputs) -> torch.Tensor:
         total = inputs.num_tokens
-        if total == len(inputs.req_ids) and total <= self.graphs.max_batch:
+        if total == len(inputs.req_ids) and total <= self.graphs.max_batch and inputs.mm_embeds is None:
             md = inputs.attn_metadata
             return self.graphs.run(inputs.input_ids, inputs.positions, md.slot_mapping, md.seq_lens, md.block_table)
         return self.eager(inputs)
@@ -131,8 +133,9 @@ class PipelineStageForward:
         if not pp.is_first:
             intermediate = pp.recv_tensors([(total, self.hidden_size)] * self.model.pp_num_intermediate, self.dtype,
                                            self.device)
+        kw = {"mm_embeds": inputs.mm_embeds} if inputs.mm_embeds is not None else {}  # the first stage's images
         with set_attention_metadata(inputs.attn_metadata):
-            out = self.model(inputs.input_ids, inputs.positions, intermediate)
+            out = self.model(inputs.input_ids, inputs.positions, intermediate, **kw)
         if not pp.is_last:
             pp.send_tensors(out)
         return out

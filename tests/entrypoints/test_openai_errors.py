@@ -90,8 +90,9 @@ def test_chat_problems_400(server):
                  code="context_length_exceeded")
     assert_error(chat(server, top_logprobs=3), 400, param="top_logprobs")
     assert_error(chat(server, logprobs=True, top_logprobs=30), 400, param="top_logprobs")
-    assert_error(chat(server, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
-                 param="messages")
+    err = assert_error(chat(server, messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400,
+                       param="messages[0].content[0].image_url")  # a text model (issue 34: LLaVA takes images)
+    assert "takes no images" in err["message"]
 
 
 def test_malformed_json_and_body_400(server):

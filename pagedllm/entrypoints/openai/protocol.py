@@ -211,9 +211,15 @@ class CompletionStreamResponse(CompletionResponse):
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
+class ImageURL(_Request):
+    url: str  # a data: URL (base64), or a local file under --allowed-local-media-path; http(s) is refused
+    detail: Optional[str] = None  # OpenAI's; accepted, no effect
+
+
 class ContentPart(_Request):
     type: str
     text: Optional[str] = None
+    image_url: Optional[Union[ImageURL, str]] = None  # type "image_url" (a multimodal model)
 
 
 class FunctionCallIn(_Request):

@@ -359,8 +359,8 @@ class OpenAIServing:
             ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False)
             prompt = {"prompt_token_ids": list(ids), "prompt": prompt}
         try:
-            text, ids = await asyncio.to_thread(self.input_processor.process, prompt, truncate)
-            return ProcessedPrompt(None if truncate is not None else text, ids)
+            p = await asyncio.to_thread(self.input_processor.process, prompt, truncate)
+            return ProcessedPrompt(None if truncate is not None else p.text, p.token_ids, mm_features=p.mm_features)
         except ValueError as e:
             code = "context_length_exceeded" if "max_model_len" in str(e) else "invalid_value"
             raise APIError(400, str(e), param=param, code=code) from None
@@ -445,11 +445,11 @@ class OpenAIServing:
         return await self._completion_full(req, streams, rid, model, prompts)
 
     @staticmethod
-    def _engine_prompt(req, ids: list[int], text: Optional[str] = None) -> ProcessedPrompt:
+    def _engine_prompt(req, ids: list[int], text: Optional[str] = None, mm_features: tuple = ()) -> ProcessedPrompt:
         """The engine's prompt (validated by _process: not checked again): the token ids, the text,
         vLLM's cache_salt (a tenant's own prefix cache: the salt keys the first block, so the hash
-        chain differs from everyone else's), the request's priority."""
-        return ProcessedPrompt(text, ids, req.cache_salt, req.priority or 0)
+        chain differs from everyone else's), the request's priority, its images."""
+        return ProcessedPrompt(text, ids, req.cache_salt, req.priority or 0, mm_features)
 
     def _check_logprob_volume(self, items: list[tuple[int, Any]], echo_logprobs: Optional[int],
                               prompt_logprobs: Optional[int]) -> None:
@@ -568,19 +568,18 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # ---- /v1/chat/completions ---------------------------------------------------------------
-    async def _chat_prompt(self, req: ChatCompletionRequest, tools: Optional[list] = None) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest, tools: Optional[list] = None,
+                           images: Optional[list] = None) -> list[int]:
+        """The rendered conversation's token ids; ``images`` (a list) receives the images of its
+        image_url parts, in prompt order (each part's text is the model's image placeholder)."""
         if not req.messages:
             raise APIError(400, "messages must be a non-empty list", param="messages", code="invalid_value")
         if self.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer", param="messages")
-        messages = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                if any(p.type != "text" or p.text is None for p in content):
-                    raise APIError(400, "only text content parts are supported", param="messages")
-                content = "\n".join(p.text for p in content)
-            messages.append(tc.template_message(m, content or ""))
+        contents = [m.content for m in req.messages]
+        if any(isinstance(c, list) for c in contents):  # images are decoded off the event loop
+            contents = await asyncio.to_thread(self._flatten_contents, contents, images if images is not None else [])
+        messages = [tc.template_message(m, c or "") for m, c in zip(req.messages, contents)]
         from pagedllm.tokenizer.chat_template import TemplateLimitError
         from pagedllm.tokenizer.tokenizer import apply_chat_template, render_request_template
 
@@ -627,6 +626,18 @@ class OpenAIServing:
         except Exception as e:  # template errors are caused by the input
             raise APIError(400, f"could not apply the chat template: {e}", param="messages") from None
 
+    def _flatten_contents(self, contents: list, images: list) -> list:
+        from pagedllm.multimodal.chat_content import ContentError, flatten_content
+
+        processor = self.input_processor.images
+        placeholder = processor.placeholder if processor is not None else None
+        try:
+            return [flatten_content([p.model_dump(exclude_none=True) for p in c], placeholder, images,
+                                    self.engine.config.allowed_local_media_path, f"messages[{i}].content")
+                    if isinstance(c, list) else c for i, c in enumerate(contents)]
+        except ContentError as e:
+            raise APIError(400, str(e), param=e.param, code="invalid_value") from None
+
     @staticmethod
     def _template_kwargs(kwargs: Optional[dict[str, Any]]) -> dict[str, Any]:
         """chat_template_kwargs: extra template variables; the ones the renderer sets itself and
@@ -654,8 +665,12 @@ class OpenAIServing:
         if req.tools and len(req.tools) > max_tools:  # each is rendered into the prompt and may become a grammar
             raise _bad_request(f"tools has {len(req.tools)} entries, over the limit of {max_tools} (max_tools)", "tools")
         plan = tc.plan_tools(req, self.options.enable_auto_tool_choice, self.options.tool_call_parser, _bad_request)
-        ids = (await self._process({"prompt_token_ids": await self._chat_prompt(req, plan.tools)}, "messages",
-                                   req)).token_ids
+        images: list = []
+        prompt: dict[str, Any] = {"prompt_token_ids": await self._chat_prompt(req, plan.tools, images)}
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
+        processed = await self._process(prompt, "messages", req)
+        ids = processed.token_ids
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         self._check_prompt_logprobs(req)
@@ -672,7 +687,8 @@ class OpenAIServing:
             params.structured_outputs = plan.constraint
         await self._check_constraint(req, params, "tools" if plan.constraint is not None else None)
         rid = request_id or f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
-        streams = await self._start([(self._engine_prompt(req, ids), params, rid)], self._timeout(req, timeout), model)
+        streams = await self._start([(self._engine_prompt(req, ids, mm_features=processed.mm_features), params, rid)],
+                                    self._timeout(req, timeout), model)
         return streams, rid, model, len(ids), plan
 
     def _chat_lps(self, req, token_ids, logprobs):
