@@ -121,19 +121,38 @@ class PoolingEngine:
         return ("classify", "score") if self.is_cross_encoder else ("embed", "token_embed", "score")
 
     # ---- inputs -------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt, field: str = "input") -> list[int]:
-        """Token ids of a string (with the model's special tokens) or a checked list of ids."""
+    def truncation(self, truncate_prompt_tokens: Optional[int]) -> Optional[int]:
+        """vLLM's ``truncate_prompt_tokens``: None (no truncation), N >= 1, or -1 (max_model_len);
+        ValueError naming the field otherwise."""
+        t = truncate_prompt_tokens
+        if t is None:
+            return None
+        if isinstance(t, bool) or not isinstance(t, int) or not (t >= 1 or t == -1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {t!r}")
+        if t > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({t}) must be at most max_model_len ({self.max_model_len})")
+        return self.max_model_len if t == -1 else t
+
+    def tokenize(self, prompt: Prompt, field: str = "input", truncate: Optional[int] = None) -> list[int]:
+        """Token ids of a string (with the model's special tokens) or a checked list of ids.
+        ``truncate`` (a checked truncation()): a text keeps the tokenizer's first N tokens, its
+        special tokens included (the tokenizer's own truncation); token ids keep their last N."""
         if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            kw = {"truncation": True, "max_length": truncate} if truncate is not None else {}
+            ids = self.tokenizer(prompt, add_special_tokens=True, **kw)["input_ids"]
         else:
             ids = list(prompt)
             if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
                 raise ValueError(f"{field}: token ids must be integers in [0, {self.vocab_size})")
+            if truncate is not None:
+                ids = ids[-truncate:]
         return self._check_length(ids, field)
 
-    def tokenize_pair(self, a: str, b: str) -> tuple[list[int], list[int]]:
-        """A cross-encoder's input: both texts with the tokenizer's separators and segment ids."""
-        enc = self.tokenizer(a, b, add_special_tokens=True, return_token_type_ids=True)
+    def tokenize_pair(self, a: str, b: str, truncate: Optional[int] = None) -> tuple[list[int], list[int]]:
+        """A cross-encoder's input: both texts with the tokenizer's separators and segment ids
+        (``truncate``: at most N tokens, the longer text shortened first, separators kept)."""
+        kw = {"truncation": True, "max_length": truncate} if truncate is not None else {}
+        enc = self.tokenizer(a, b, add_special_tokens=True, return_token_type_ids=True, **kw)
         ids = self._check_length(enc["input_ids"], "text")
         if (getattr(self.hf_config, "type_vocab_size", 2) or 1) < 2:  # XLM-RoBERTa: one segment embedding
             return ids, [0] * len(ids)
@@ -188,8 +207,10 @@ class PoolingEngine:
         _, logits = self._forward(seqs, types)
         return classifier_scores(logits).cpu()
 
-    def score(self, text_1: list[Prompt], text_2: list[Prompt]) -> tuple[list[float], int]:
-        """Scores of the pairs (one text_1 against many text_2, or pairwise), and the tokens used."""
+    def score(self, text_1: list[Prompt], text_2: list[Prompt],
+              truncate: Optional[int] = None) -> tuple[list[float], int]:
+        """Scores of the pairs (one text_1 against many text_2, or pairwise), and the tokens used;
+        ``truncate``: a checked truncation() for each pair (cross-encoder) or each text."""
         if len(text_1) == 1 and len(text_2) > 1:
             text_1 = list(text_1) * len(text_2)
         if len(text_1) != len(text_2):
@@ -203,11 +224,11 @@ class PoolingEngine:
                                  " (use classify)")
             if not all(isinstance(t, str) for t in list(text_1) + list(text_2)):
                 raise ValueError("text_1 / text_2: a cross-encoder scores texts (strings)")
-            pairs = [self.tokenize_pair(a, b) for a, b in zip(text_1, text_2)]
+            pairs = [self.tokenize_pair(a, b, truncate) for a, b in zip(text_1, text_2)]
             scores = self.classify([p[0] for p in pairs], [p[1] for p in pairs])
             return [float(s) for s in scores], sum(len(p[0]) for p in pairs)
-        seqs_1 = [self.tokenize(t, "text_1") for t in text_1]
-        seqs_2 = [self.tokenize(t, "text_2") for t in text_2]
+        seqs_1 = [self.tokenize(t, "text_1", truncate) for t in text_1]
+        seqs_2 = [self.tokenize(t, "text_2", truncate) for t in text_2]
         vecs = self.embed(seqs_1 + seqs_2)
         a, b = torch.stack(vecs[: len(seqs_1)]), torch.stack(vecs[len(seqs_1):])
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)

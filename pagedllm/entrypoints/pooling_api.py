@@ -26,23 +26,28 @@ class PoolingAPI:
                              "an encoder / classifier architecture)")
         return self.pooling
 
-    def _inputs(self, prompts, prompt_token_ids=None) -> list[list[int]]:
+    def _inputs(self, prompts, prompt_token_ids=None, truncate_prompt_tokens: Optional[int] = None) -> list[list[int]]:
+        """Each prompt's token ids; ``truncate_prompt_tokens`` (vLLM's: N >= 1, or -1 for
+        max_model_len): a text keeps its first N tokens by the tokenizer's own truncation (special
+        tokens kept), token ids their last N."""
         engine = self._pooling()
+        truncate = engine.truncation(truncate_prompt_tokens)
         items = _as_list(prompt_token_ids) if prompt_token_ids is not None else _as_list(prompts)
-        return [engine.tokenize(p) for p in items]
+        return [engine.tokenize(p, "input", truncate) for p in items]
 
     def embed(self, prompts: Optional[Prompts] = None, *, dimensions: Optional[int] = None,
-              prompt_token_ids=None, use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+              prompt_token_ids=None, use_tqdm: bool = False,
+              truncate_prompt_tokens: Optional[int] = None) -> list[PoolingRequestOutput]:
         """One embedding per prompt (batched into as few forwards as the budgets allow)."""
-        seqs = self._inputs(prompts, prompt_token_ids)
+        seqs = self._inputs(prompts, prompt_token_ids, truncate_prompt_tokens)
         vecs = self._pooling().embed(seqs, dimensions)
         return [PoolingRequestOutput(str(i), EmbeddingOutput(v.tolist()), s) for i, (v, s) in enumerate(zip(vecs, seqs))]
 
     def encode(self, prompts: Optional[Prompts] = None, *, pooling_task: str = "embed", prompt_token_ids=None,
-               use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+               use_tqdm: bool = False, truncate_prompt_tokens: Optional[int] = None) -> list[PoolingRequestOutput]:
         """The raw pooled tensor per prompt: ``embed`` (one vector), ``token_embed`` (a vector per
         token) or ``classify`` (the class scores)."""
-        seqs = self._inputs(prompts, prompt_token_ids)
+        seqs = self._inputs(prompts, prompt_token_ids, truncate_prompt_tokens)
         engine = self._pooling()
         if pooling_task == "embed":
             data = engine.embed(seqs)
@@ -55,16 +60,18 @@ class PoolingAPI:
         return [PoolingRequestOutput(str(i), PoolingOutput(d), s) for i, (d, s) in enumerate(zip(data, seqs))]
 
     def classify(self, prompts: Optional[Prompts] = None, *, prompt_token_ids=None,
-                 use_tqdm: bool = False) -> list[PoolingRequestOutput]:
-        seqs = self._inputs(prompts, prompt_token_ids)
+                 use_tqdm: bool = False, truncate_prompt_tokens: Optional[int] = None) -> list[PoolingRequestOutput]:
+        seqs = self._inputs(prompts, prompt_token_ids, truncate_prompt_tokens)
         scores = self._pooling().classify(seqs)
         return [PoolingRequestOutput(str(i), ClassificationOutput(p.reshape(-1).tolist()), s)
                 for i, (p, s) in enumerate(zip(scores, seqs))]
 
     def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
-              use_tqdm: bool = False) -> list[PoolingRequestOutput]:
+              use_tqdm: bool = False, truncate_prompt_tokens: Optional[int] = None) -> list[PoolingRequestOutput]:
         """A cross-encoder's score of each (text_1, text_2) pair, or the cosine similarity of the
-        two embeddings for an embedding model; one text_1 is scored against every text_2."""
+        two embeddings for an embedding model; one text_1 is scored against every text_2.
+        ``truncate_prompt_tokens``: each pair (each text, for an embedding model) at most N tokens."""
         a, b = _as_list(text_1), _as_list(text_2)
-        scores, _ = self._pooling().score(a, b)
+        engine = self._pooling()
+        scores, _ = engine.score(a, b, engine.truncation(truncate_prompt_tokens))
         return [PoolingRequestOutput(str(i), ScoringOutput(s), []) for i, s in enumerate(scores)]

@@ -73,6 +73,20 @@ def test_pooling_and_score_routes(embed_server):
     assert [d["index"] for d in s["data"]] == [0, 1, 2] and np.allclose([d["score"] for d in s["data"]], ref, atol=1e-6)
 
 
+def test_truncate_prompt_tokens_routes(embed_server, rerank_server):
+    live, offline = embed_server
+    long = " ".join(f"w{i}" for i in range(1, 300))
+    r = httpx.post(live.url + "/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 8}, timeout=60).json()
+    ref = offline.embed(long, truncate_prompt_tokens=8)[0].outputs.embedding
+    assert r["usage"]["prompt_tokens"] == 8 and np.allclose(r["data"][0]["embedding"], ref, atol=1e-6)
+    live, offline = rerank_server
+    r = httpx.post(live.url + "/rerank", json={"query": "w5", "documents": [long], "truncate_prompt_tokens": 12},
+                   timeout=60).json()
+    assert r["usage"]["total_tokens"] == 12
+    assert np.isclose(r["results"][0]["relevance_score"],
+                      offline.score("w5", long, truncate_prompt_tokens=12)[0].outputs.score, atol=1e-6)
+
+
 def test_rerank_routes(rerank_server):
     live, offline = rerank_server
     ref = [o.outputs.score for o in offline.score("w5 w9 w40", TEXTS)]
@@ -91,8 +105,10 @@ def test_rerank_routes(rerank_server):
 
 def test_refusals(embed_server, server):
     live, _ = embed_server
-    extra = httpx.post(live.url + "/v1/embeddings", json={"input": "w1", "truncate_prompt_tokens": 3}, timeout=60)
-    assert extra.status_code == 400 and "truncate_prompt_tokens" in extra.json()["error"]["message"]
+    extra = httpx.post(live.url + "/v1/embeddings", json={"input": "w1", "best_of": 3}, timeout=60)
+    assert extra.status_code == 400 and "best_of" in extra.json()["error"]["message"]
+    zero = httpx.post(live.url + "/v1/embeddings", json={"input": "w1", "truncate_prompt_tokens": 0}, timeout=60)
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "truncate_prompt_tokens"
     gen = httpx.post(live.url + "/v1/completions", json={"prompt": "w1", "max_tokens": 2}, timeout=60)
     assert gen.status_code == 400 and "pooling" in gen.json()["error"]["message"]
     assert httpx.get(live.url + "/health").status_code == 200

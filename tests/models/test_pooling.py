@@ -126,6 +126,27 @@ def test_refusals(ckpts):
         LLM(model=ckpts["bert_mean"], runner="embed")
 
 
+def test_truncate_prompt_tokens(ckpts):
+    """vLLM's truncate_prompt_tokens: a text keeps its first N tokens by the tokenizer's own
+    truncation ([CLS] ... [SEP] kept), token ids their last N, -1 is max_model_len; a pair is cut to
+    N with its separators; bad values are refused naming the field."""
+    model = llm(ckpts["bert_mean"])
+    tok, long = model.get_tokenizer(), " ".join(f"w{i}" for i in range(1, 300))
+    cut = model.embed(long, truncate_prompt_tokens=8)[0]
+    assert cut.prompt_token_ids == tok(long, truncation=True, max_length=8)["input_ids"]
+    assert cut.outputs.embedding == model.embed(prompt_token_ids=[cut.prompt_token_ids])[0].outputs.embedding
+    assert len(model.embed(long, truncate_prompt_tokens=-1)[0].prompt_token_ids) == model.pooling.max_model_len
+    assert model.embed(prompt_token_ids=[[5, 6, 7, 8]], truncate_prompt_tokens=2)[0].prompt_token_ids == [7, 8]
+    for bad in (0, -2, 10_000):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            model.embed(long, truncate_prompt_tokens=bad)
+    rerank = llm(ckpts["bert_rerank"])
+    ids, types = rerank.pooling.tokenize_pair(QUERY, long, 10)
+    assert ids == rerank.get_tokenizer()(QUERY, long, truncation=True, max_length=10)["input_ids"]
+    assert ids[0] == ids[-1] - 1 and len(types) == 10  # [CLS] (2) ... [SEP] (3)
+    assert 0 < rerank.score(QUERY, long, truncate_prompt_tokens=10)[0].outputs.score < 1
+
+
 def test_concurrent_callers_share_forwards(ckpts, monkeypatch):
     """Inputs of callers arriving while a forward runs go into the next forward together."""
     import threading

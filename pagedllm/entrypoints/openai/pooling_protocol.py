@@ -18,6 +18,7 @@ class EmbeddingRequest(_Request):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Optional[int] = None
     user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: at most N tokens per input (-1: max_model_len)
 
 
 class PoolingRequest(_Request):
@@ -27,6 +28,7 @@ class PoolingRequest(_Request):
     task: Optional[Literal["embed", "token_embed", "classify"]] = None
     dimensions: Optional[int] = None
     user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: at most N tokens per input (-1: max_model_len)
 
 
 class ScoreRequest(_Request):
@@ -34,6 +36,7 @@ class ScoreRequest(_Request):
     text_2: Union[str, list[str]]
     model: Optional[str] = None
     user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
 
 
 class RerankRequest(_Request):
@@ -43,6 +46,7 @@ class RerankRequest(_Request):
     top_n: Optional[int] = Field(default=None, ge=0)
     return_documents: bool = True
     user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None
 
 
 class EmbeddingData(BaseModel):

@@ -48,7 +48,13 @@ class PoolingServing:
         except ValueError as e:
             raise APIError(400, str(e), code="invalid_value") from None
 
-    def _inputs(self, value) -> list[list[int]]:
+    def _truncation(self, req) -> Optional[int]:
+        try:
+            return self.engine.truncation(req.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError(400, str(e), "truncate_prompt_tokens", "invalid_value") from None
+
+    def _inputs(self, value, truncate: Optional[int] = None) -> list[list[int]]:
         if isinstance(value, str):
             items = [value]
         elif value and all(isinstance(t, int) for t in value):
@@ -58,7 +64,7 @@ class PoolingServing:
         if not items:
             raise APIError(400, "input must not be empty", "input", "invalid_value")
         try:
-            return [self.engine.tokenize(p, "input") for p in items]
+            return [self.engine.tokenize(p, "input", truncate) for p in items]
         except ValueError as e:
             raise APIError(400, str(e), "input", "invalid_value") from None
 
@@ -70,7 +76,7 @@ class PoolingServing:
     async def create_embedding(self, req: EmbeddingRequest) -> EmbeddingResponse:
         model = self._model(req.model)
         self._check_task("embed", "/v1/embeddings")
-        seqs = self._inputs(req.input)
+        seqs = self._inputs(req.input, self._truncation(req))
         vecs = await self._call(self.engine.embed, seqs, req.dimensions)
         data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(vecs)]
         return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", created=int(time.time()), model=model, data=data,
@@ -82,7 +88,7 @@ class PoolingServing:
         self._check_task(task, "/pooling")
         if req.dimensions is not None and task != "embed":
             raise APIError(400, "dimensions applies to task 'embed' only", "dimensions", "invalid_value")
-        seqs = self._inputs(req.input)
+        seqs = self._inputs(req.input, self._truncation(req))
         if task == "embed":
             out = await self._call(self.engine.embed, seqs, req.dimensions)
         elif task == "token_embed":
@@ -100,7 +106,7 @@ class PoolingServing:
         b = [req.text_2] if isinstance(req.text_2, str) else req.text_2
         if not a or not b:
             raise APIError(400, "text_1 and text_2 must not be empty", "text_1", "invalid_value")
-        scores, tokens = await self._call(self.engine.score, a, b)
+        scores, tokens = await self._call(self.engine.score, a, b, self._truncation(req))
         return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=model,
                              data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)], usage=_usage(tokens))
 
@@ -109,7 +115,7 @@ class PoolingServing:
         self._check_task("score", "/rerank")
         if not req.documents:
             raise APIError(400, "documents must not be empty", "documents", "invalid_value")
-        scores, tokens = await self._call(self.engine.score, [req.query], req.documents)
+        scores, tokens = await self._call(self.engine.score, [req.query], req.documents, self._truncation(req))
         order = sorted(range(len(scores)), key=lambda i: -scores[i])
         if req.top_n:
             order = order[: req.top_n]
