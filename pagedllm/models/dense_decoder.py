@@ -25,6 +25,7 @@ from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedllm.layers.rotary import RotaryEmbedding, apply_partial_rotary
 from pagedllm.models.checkpoint_views import split_fused_qkv
 from pagedllm.models.llama import rope_settings
+from pagedllm.models.pipeline import PPMissingLayer, stage_layers, stage_module
 
 QKV_SHARDS = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
 
@@ -86,27 +87,37 @@ class DenseMLP(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    """Pipeline parallel (models/pipeline.py): a stage builds only its own layers; the embedding
+    (with GPTBigCode's learned positions and Granite's multiplier) lives on the first stage, the
+    final norm on the last; one tensor, the residual stream, goes from stage to stage."""
+
     def __init__(self, vocab: int, hidden: int, num_layers: int, make_layer: Callable, norm: nn.Module,
                  rotary: Optional[nn.Module], max_positions: int = 0, embedding_multiplier: float = 1.0) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(vocab, hidden)
-        # learned absolute positions (GPTBigCode), replicated on every rank
-        self.wpe = nn.Parameter(torch.zeros(max_positions, hidden), requires_grad=False) if max_positions else None
-        self.layers = nn.ModuleList([make_layer(i) for i in range(num_layers)])
-        self.norm = norm
+        self.hidden_size = hidden
+        self.layers, self.start, self.end, self.is_first, self.is_last = stage_layers(num_layers, make_layer)
+        self.embed_tokens = stage_module(self.is_first, lambda: VocabParallelEmbedding(vocab, hidden))
+        # learned absolute positions (GPTBigCode), replicated on every rank of the first stage
+        self.wpe = (nn.Parameter(torch.zeros(max_positions, hidden), requires_grad=False)
+                    if max_positions and self.is_first else None)
+        self.norm = norm if self.is_last else PPMissingLayer()
         self.rotary = rotary
         self.embedding_multiplier = embedding_multiplier
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        if self.wpe is not None:
-            h = h + F.embedding(positions, self.wpe)
-        if self.embedding_multiplier != 1.0:
-            h = h * self.embedding_multiplier
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
+        """The final hidden states; before the last stage, [the residual stream] for the next."""
+        if self.is_first:
+            h = self.embed_tokens(input_ids)
+            if self.wpe is not None:
+                h = h + F.embedding(positions, self.wpe)
+            if self.embedding_multiplier != 1.0:
+                h = h * self.embedding_multiplier
+        else:
+            h = intermediate[0]
         rope = self.rotary.cos_sin(positions, h.dtype) if self.rotary is not None else None
-        for layer in self.layers:
+        for layer in self.layers[self.start : self.end]:
             h = layer(rope, h)
-        return self.norm(h)
+        return self.norm(h) if self.is_last else [h]
 
 
 class DecoderLM(nn.Module):
@@ -116,20 +127,26 @@ class DecoderLM(nn.Module):
     ``1 / logits_scaling``)."""
 
     packed_modules_mapping = QKV_SHARDS
-    supports_pp = False
+    supports_pp = True  # DecoderModel's stages
+    pp_num_intermediate = 1  # the residual stream
 
     def __init__(self, config, model: DecoderModel, *, tie: bool, lm_head_bias: bool = False,
                  logit_factor: float = 1.0) -> None:
         super().__init__()
         self.config = config
         self.model = model
-        self.lm_head = ParallelLMHead(config.vocab_size, model.embed_tokens.weight.shape[1])
-        self.lm_head_bias = nn.Parameter(torch.zeros(config.vocab_size), requires_grad=False) if lm_head_bias else None
+        self.pp_hidden_size = model.hidden_size
+        self.lm_head = stage_module(model.is_last, lambda: ParallelLMHead(config.vocab_size, model.hidden_size))
+        self.lm_head_bias = (nn.Parameter(torch.zeros(config.vocab_size), requires_grad=False)
+                             if lm_head_bias and model.is_last else None)
+        # names other stages own that are parameters, not modules (the loader skips them here)
+        self.pp_missing_names = (() if model.is_first else ("model.wpe",)) + (
+            () if model.is_last or not lm_head_bias else ("lm_head_bias",))
         self.tie_word_embeddings = tie
         self.logit_factor = float(logit_factor)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, intermediate=None):
-        return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
@@ -140,7 +157,8 @@ class DecoderLM(nn.Module):
         return logits
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's layers (all of them without pipeline parallelism)."""
+        return [layer.self_attn.attn for layer in self.model.layers[self.model.start : self.model.end]]
 
 
 def rotary_for(config, head_dim: int) -> RotaryEmbedding:

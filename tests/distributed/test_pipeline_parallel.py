@@ -169,11 +169,12 @@ def test_pp2_other_llama_family_members(make_ckpt, arch, kw):
     assert got == want
 
 
-@pytest.mark.parametrize("family", ["gpt2", "olmo2", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["gpt2", "olmo2", "gemma2", "gemma3", "phi3", "gpt_bigcode"])
 def test_pp2_dense_families(ckpt_dir, family):
     """Families with their own stage shapes: one tensor between stages (GPT-2's residual stream
     with the learned positions on stage 0 only, OLMo 2), Gemma's scaled embedding, soft-capped
-    tied head and per-layer rotary types (Gemma 3: 6 layers, a global one on each stage)."""
+    tied head and per-layer rotary types (Gemma 3: 6 layers, a global one on each stage); issue
+    34's DecoderModel families, by GPTBigCode (multi-query, its learned positions on stage 0)."""
     from dense_checkpoints import make_dense_checkpoint
 
     path = make_dense_checkpoint(str(ckpt_dir / f"pp_dense_{family}"), family, layers=6 if family == "gemma3" else 2)
