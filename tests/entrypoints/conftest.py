@@ -62,13 +62,15 @@ def start_live(config, args=None) -> LiveServer:
     """A LiveServer over build_app(config, args), once its engine has loaded (or fail)."""
     from pagedllm.entrypoints.openai.api_server import build_app
 
-    live = LiveServer(build_app(config, args=args) if args is not None else build_app(config))
-    deadline = time.monotonic() + 120
-    while live.state.serving is None:
-        assert live.state.load_error is None, live.state.load_error
-        assert time.monotonic() < deadline, "engine did not load"
-        time.sleep(0.05)
-    return live
+    return wait_ready(LiveServer(build_app(config, args=args) if args is not None else build_app(config)))
+
+
+def serve_shared(server: LiveServer, args, **kw) -> LiveServer:
+    """One more app, with ``args`` (a ServerArgs; uvicorn run with its settings), over the shared
+    ``server``'s engine: no second model load. The app does not own the engine."""
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    return LiveServer(build_app(server.engine, served_model_name="tiny", args=args, **kw), args=args)
 
 
 def make_engine(model: str, multiprocess: bool = True, **kw):

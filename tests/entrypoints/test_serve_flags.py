@@ -7,32 +7,23 @@ import logging
 import shutil
 import ssl
 import subprocess
-import time
 
 import httpx
 import pytest
 
-from conftest import ENGINE_KW, LiveServer  # noqa: E402
+from conftest import serve_shared  # noqa: E402
 
 
-def _serve(model, **server_args):
-    from pagedllm.config import EngineConfig
-    from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
+def _serve(server, **server_args):
+    """An app with these flags over the shared server's engine (they are the front end's)."""
+    from pagedllm.entrypoints.openai.api_server import ServerArgs
 
-    args = ServerArgs(**server_args)
-    app = build_app(EngineConfig(model=model, served_model_name="tiny", **ENGINE_KW), args=args)
-    live = LiveServer(app, args)
-    deadline = time.monotonic() + 120
-    while live.state.serving is None:
-        assert live.state.load_error is None, live.state.load_error
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    return live
+    return serve_shared(server, ServerArgs(**server_args))
 
 
 @pytest.fixture(scope="module")
-def flagged(llama_ckpt):
-    live = _serve(llama_ckpt, served_model_names=("tiny", "alias"), allowed_origins=("http://ui.test",),
+def flagged(server):
+    live = _serve(server, served_model_names=("tiny", "alias"), allowed_origins=("http://ui.test",),
                   response_role="bot", max_logprobs=2, disable_fastapi_docs=True, enable_log_requests=True,
                   disable_log_stats=True, override_generation_config='{"temperature": 0, "max_new_tokens": 5}')
     yield live
@@ -77,11 +68,11 @@ def test_role_logprob_cap_docs_and_generation_override(flagged, caplog):
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
-def test_tls(llama_ckpt, tmp_path):
+def test_tls(server, tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
                     "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
-    live = _serve(llama_ckpt, ssl_keyfile=str(key), ssl_certfile=str(cert), root_path="/llm")
+    live = _serve(server, ssl_keyfile=str(key), ssl_certfile=str(cert), root_path="/llm")
     try:
         url = live.url.replace("http://", "https://")
         r = httpx.get(url + "/v1/models", verify=ssl.create_default_context(cafile=str(cert)))
