@@ -14,11 +14,7 @@ def make_tier_store(config, layout: TierBlockLayout, num_slots: int, rank: int, 
 
         return HostTierStore(layout, num_slots, pin_memory=device.type == "cuda")
     if backend == "disk":
-        import importlib.util
-
-        if importlib.util.find_spec("pagedllm.worker.kv_tier.disk") is None:
-            raise ValueError("kv_offloading_backend 'disk' is not available in this build yet")
-        from pagedllm.worker.kv_tier.disk import DiskTierStore  # worker/kv_tier/disk.py (issue 36, the disk tier)
+        from pagedllm.worker.kv_tier.disk import DiskTierStore
 
         return DiskTierStore(config, layout, num_slots, rank)
     raise ValueError(f"unknown kv_offloading_backend {backend!r}")
