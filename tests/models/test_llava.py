@@ -1,7 +1,8 @@
 """LLaVA (issue 34): our CLIP tower + projector + Llama against HF transformers' float32
 LlavaForConditionalGeneration on a tiny random checkpoint: pixel values equal to HF's image
 processor, greedy tokens identical for 1-2 images of different sizes and modes mixed in one batch
-with a text-only prompt, under chunked prefill that splits images (block size 4); the prefix cache
+with a text-only prompt, under chunked prefill that splits images (block size 4), prefix caching on
+and off; the prefix cache
 hits for the same image (also stopping inside one) and misses from the first block a different
 image touches; LLM.chat's image_url parts; bad images refused naming the field; no leaked blocks."""
 from __future__ import annotations
@@ -76,6 +77,12 @@ def test_greedy_identity_with_hf_mixed_batch(llava):
     assert len(outs[0].prompt_token_ids) == 8 + NUM_IMAGE_TOKENS
     assert ref[0] != ref[3]  # the image steers the text (same words, another image)
     assert_idle(llm)
+    uncached = LLM(model=path, dtype="float32", block_size=4, max_num_batched_tokens=24, kv_cache_memory=4 << 20,
+                   max_model_len=256, enable_prefix_caching=False)
+    try:  # prefix caching off: the same tokens
+        assert [list(o.outputs[0].token_ids) for o in uncached.generate(prompts, SP, use_tqdm=False)] == ref
+    finally:
+        uncached.engine.shutdown()
 
 
 def test_prefix_cache_hits_same_image_misses_another(llava):
