@@ -104,7 +104,7 @@ class BeamGroup:
 
     @property
     def num_candidates(self) -> int:
-        return candidates_per_step(self.width, len(self.beams[0].sampling_params._all_stop_token_ids))
+        return candidates_per_step(self.width, len(self.beams[0].sampling_params.all_stop_token_ids))
 
     # ---- one step ---------------------------------------------------------------------------
     def advance(self, cands: BeamCandidates, max_model_len: int) -> list[tuple[Request, int, int]]:

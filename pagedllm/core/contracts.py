@@ -5,7 +5,7 @@ continuing requests as (new block ids, computed count).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from pagedllm.sampling_params import SamplingParams
@@ -99,6 +99,17 @@ NO_TRANSFERS = KVTransfers()
 
 
 @dataclass(frozen=True, slots=True)
+class GrammarBitmask:
+    """Structured outputs: one step's allowed-token masks. ``bitmask[rows[req_id]]`` is the mask of
+    each constrained request that samples this step (int32 words, xgrammar's layout: a tensor
+    [len(rows), ceil(vocab / 32)], filled by the scheduler's grammar source, applied by the
+    sampling rank). A fresh array every step: a step still in flight keeps its own."""
+
+    rows: dict[str, int]
+    bitmask: object
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -114,11 +125,17 @@ class SchedulerOutput:
     # (copy-on-write of a partly filled block that forked beams share).
     block_copies: tuple[tuple[int, int], ...] = ()
     kv_transfers: KVTransfers = NO_TRANSFERS  # the KV offload tier's stores and loads (empty: no tier)
+    # Structured outputs: the masks of the constrained requests that sample this step (None: none).
+    grammar: Optional[GrammarBitmask] = None
 
     @property
     def is_empty(self) -> bool:
         """No token to compute (the step may still move blocks: ``kv_transfers``)."""
         return self.total_num_scheduled_tokens == 0
+
+    def without_grammar(self) -> "SchedulerOutput":
+        """The step as ranks that do not sample need it (the masks stay with the sampling rank)."""
+        return self if self.grammar is None else replace(self, grammar=None)
 
 
 @dataclass(frozen=True, slots=True)

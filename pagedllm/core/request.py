@@ -10,15 +10,18 @@ from pagedllm.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered: every status greater than PREEMPTED is a finished one."""
+    """Ordered: every status greater than PREEMPTED is a finished one. WAITING_FOR_GRAMMAR: in
+    the waiting queue while its output constraint compiles (core/grammar_wait.py); it is not
+    admitted before its grammar is ready."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_GRAMMAR = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @staticmethod
     def is_finished(status: "RequestStatus") -> bool:

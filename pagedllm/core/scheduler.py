@@ -11,6 +11,9 @@ small Protocol with its implementations beside it:
 - the look-ahead (core/look_ahead.py): slots a decoding request reserves (speculative decoding);
 - admission constraints (core/admission.py): LoRA slots, batches in flight (pipeline parallelism,
   an asynchronous executor).
+Requests with an output constraint are units of their own type (core/grammar_wait.py): they wait
+in the queue as WAITING_FOR_GRAMMAR until the grammar source says their grammar is compiled, and
+the step's bitmask (of those that sample) travels in SchedulerOutput.grammar.
 When a running unit cannot get a block, ``make_room`` (the one preemption routine) preempts the
 policy's victim -- its whole unit loses its blocks, its computed count resets, it waits again --
 until the allocation succeeds or the unit itself was the victim.
@@ -24,6 +27,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 
 from pagedllm.core.admission import AdmissionConstraint, LoRASlots, InFlightBatches, make_constraints
 from pagedllm.core.beam_scheduling import BeamUnit
+from pagedllm.core.grammar_wait import GrammarSource, GrammarUnit
 from pagedllm.core.contracts import (
     CachedRequestData,
     EngineCoreOutput,
@@ -62,7 +66,9 @@ class SchedulerLimits:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, kv_cache_manager: KVCacheManager, spec_governor=None,
-                 constraints: Iterable[AdmissionConstraint] = ()) -> None:
+                 constraints: Iterable[AdmissionConstraint] = (), grammars: Optional[GrammarSource] = None) -> None:
+        """``grammars``: where constrained requests' grammars compile and match (None: such
+        requests are refused)."""
         self.limits = limits
         self.kv = kv_cache_manager
         self.policy = make_policy(limits.scheduling_policy)
@@ -80,7 +86,8 @@ class Scheduler:
         self._finished_ids: set[str] = set()  # to tell workers next step
         self._preempted_ids: set[str] = set()  # workers drop these next step (preempted or rewound)
         self._sent_to_workers: set[str] = set()
-        self._failed: list[EngineCoreOutput] = []  # units that raised while scheduled, for take_failed()
+        self._failed: list[EngineCoreOutput] = []  # finished while scheduled, for take_failed()
+        self.grammars = grammars
         self.num_preemptions = 0
         self.num_scheduled_tokens_total = 0
         self.num_steps = 0
@@ -113,6 +120,12 @@ class Scheduler:
         if request.beam is not None:
             request.beam.start(request)
             request.unit = self.beam_groups[request.request_id] = BeamUnit(request.beam)
+        elif request.sampling_params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+            self.grammars.submit(request)  # compiled off the step loop; admitted once its grammar is ready
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            request.unit = GrammarUnit(request, self.grammars)
         else:
             request.unit = RequestUnit(request)
         self.requests[request.request_id] = request
@@ -122,7 +135,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self._failed)
 
     def take_failed(self) -> list[EngineCoreOutput]:
-        """The "error" outputs of units that raised while they were scheduled (once each)."""
+        """The "error" outputs of requests that finished while they were scheduled (once each): a
+        unit raised, a grammar did not compile."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -131,6 +145,8 @@ class Scheduler:
         """``only``: schedule just these requests (the others wait a step), used to find the
         request that made a step fail."""
         plan = StepPlan(self.limits.max_num_batched_tokens, only)
+        if not self.running and self.grammars is not None and self.grammars.num_compiling >= len(self.waiting):
+            self.grammars.wait(0.05)  # nothing can run until a grammar is ready: wait for one, briefly
         for c in self.constraints:
             c.start_step(len(self.running), len(self.waiting))
         self.look_ahead.start_step(len(self.running))
@@ -190,16 +206,16 @@ class Scheduler:
         plan is taken out, it finishes with "error" (its blocks freed and uncached) and FAILED is
         returned; the step goes on with the others."""
         marks = (len(plan.num_scheduled), len(plan.new_reqs), len(plan.cached_reqs), len(plan.block_copies),
-                 plan.budget)
+                 len(plan.masked), plan.budget)
         try:
             return call(self, plan)
         except Exception:
             logger.exception("request %s: scheduling it failed; it finishes with \"error\"", unit.unit_id)
-            n_sched, n_new, n_cached, n_copies, plan.budget = marks
+            n_sched, n_new, n_cached, n_copies, n_masked, plan.budget = marks
             for rid in list(plan.num_scheduled)[n_sched:]:
                 del plan.num_scheduled[rid]
                 plan.spec_slots.pop(rid, None)
-            del plan.new_reqs[n_new:], plan.cached_reqs[n_cached:], plan.block_copies[n_copies:]
+            del plan.new_reqs[n_new:], plan.cached_reqs[n_cached:], plan.block_copies[n_copies:], plan.masked[n_masked:]
             self._failed.extend(self.fail_request(unit.unit_id))
             return FAILED
 
@@ -225,6 +241,7 @@ class Scheduler:
             num_spec_slots=plan.spec_slots,
             block_copies=tuple(plan.block_copies),
             kv_transfers=self.kv.take_transfers(),
+            grammar=self.grammars.bitmask(plan.masked) if plan.masked else None,
             **extra,
         )
         self._finished_ids.clear()
@@ -344,6 +361,11 @@ class Scheduler:
         else:
             plan.new_reqs.append(self.new_request_data(req))
 
+    def report(self, output: EngineCoreOutput) -> None:
+        """An output of a request that finished while scheduling (e.g. its grammar failed to
+        compile): the engine takes it with ``take_failed``."""
+        self._failed.append(output)
+
     def check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         return self._check_stop(req, token)
 
@@ -393,14 +415,21 @@ class Scheduler:
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[str]:
         """Abort (or stop, e.g. on a stop string found by the detokenizer). Frees blocks at once.
-        A beam search ends whole, under its group (= request) id."""
+        A beam search ends whole, under its group (= request) id. Returns the ids of the units ended."""
+        return [uid for uid, _ in self._finish_units(request_ids, status)]
+
+    def abort_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[EngineCoreOutput]:
+        """``finish_requests``, returning the final outputs the units made (a beam search's live
+        beams so far, as its hypotheses)."""
+        return [out for _, out in self._finish_units(request_ids, status) if out is not None]
+
+    def _finish_units(self, request_ids: Iterable[str], status: RequestStatus):
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
             unit = req.unit if req is not None else self.beam_groups.get(rid)
             if unit is not None:
-                unit.finish(self, status)
-                done.append(unit.unit_id)
+                done.append((unit.unit_id, unit.finish(self, status)))
         return done
 
     def fail_request(self, rid: str) -> list[EngineCoreOutput]:

@@ -13,7 +13,8 @@ The protocol, as the loop (core/scheduler.py) uses it:
   routine); False when making room preempted the unit itself (nothing after it runs);
 - ``admit(sched, plan)``: a waiting unit at the head of the queue joins the batch whole
   (ADMITTED), is set aside while the ones behind it go on (SET_ASIDE: an admission constraint
-  said no), or is BLOCKED (no budget or no blocks: nothing behind it is admitted this step);
+  said no), or is BLOCKED (no budget or no blocks: nothing behind it is admitted this step), or
+  LEFT the queue (it finished instead, e.g. its grammar failed to compile: the next one goes on);
 - ``on_output(sched, so, out, row, outputs)``: the step's results for it (``row``: its row in
   ``out``), appended to ``outputs`` as EngineCoreOutputs;
 - ``finish(sched, status)``: it ends (aborted, stopped, failed), every block back.
@@ -35,7 +36,7 @@ from pagedllm.core.contracts import (
 from pagedllm.core.request import Request, RequestStatus, finish_reason_of
 
 
-ADMITTED, SET_ASIDE, BLOCKED = "admitted", "set aside", "blocked"
+ADMITTED, SET_ASIDE, BLOCKED, LEFT = "admitted", "set aside", "blocked", "left"
 
 
 @dataclass
@@ -49,6 +50,7 @@ class StepPlan:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # beam search copy-on-write
     spec_slots: dict[str, int] = field(default_factory=dict)
+    masked: list[str] = field(default_factory=list)  # constrained requests that sample: their masks go with the step
     num_preempted: int = 0  # units preempted by this step
 
     def excludes(self, unit: "SchedulingUnit") -> bool:

@@ -27,14 +27,15 @@ from pagedllm.engine.core_client import EngineDeadError, default_multiprocess  #
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.engine.best_of import num_sequences
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 def sequences_of(params) -> int:
     """Sequences a request runs at once: n, best_of when larger, a beam search's width."""
-    return max(params.n, getattr(params, "best_of", None) or 0)
+    return params.n if isinstance(params, BeamSearchParams) else num_sequences(params)
 
 
 # What a client is told: the cause (paths, ports, exception text) is in the server log only.

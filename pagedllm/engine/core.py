@@ -19,24 +19,13 @@ from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedllm.core.engine_request import EngineCoreRequest, EngineLimits, StepTiming
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_tier import KVTier
-from pagedllm.core.request import Request, RequestStatus, finish_reason_of
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.executor.base import Executor
 from pagedllm.models.config_json import load_hf_config
+from pagedllm.spec_decode.governor import scheduler_settings
 
 logger = logging.getLogger(__name__)
-
-
-def _spec_limits(config: EngineConfig) -> dict:
-    spec = config.speculative_config
-    if spec is None:
-        return {}
-    disable = spec.disable_by_batch_size
-    if disable is None:  # auto_disable's measured default (spec_decode/governor.py): 16 on CPU, none elsewhere
-        from pagedllm.spec_decode.governor import default_disable_batch_size
-
-        disable = default_disable_batch_size(config.device) if spec.auto_disable else 0
-    return {"num_spec_tokens": spec.num_speculative_tokens, "spec_disable_batch_size": disable}
 
 
 _FINISH_STATUS = {"abort": RequestStatus.FINISHED_ABORTED, "stop": RequestStatus.FINISHED_STOPPED,
@@ -64,15 +53,15 @@ class EngineCore:
             self.max_model_len = self.executor.max_model_len
             self.max_num_batched_tokens = min(self.max_num_batched_tokens,
                                               resolve_max_num_batched_tokens(config, self.max_model_len))
-        self.pp_size = config.pipeline_parallel_size
         # Steps kept in flight: one per pipeline stage, or what an asynchronous executor runs at
         # once (executor/simulated.py: the host prepares step N+1 while the device runs step N).
-        self.batch_depth = max(self.pp_size, getattr(self.executor, "max_concurrent_batches", 1))
+        self.batch_depth = self.executor.max_concurrent_batches
         tier_spec = self.executor.kv_tier_spec
         tier = (KVTier(tier_spec.num_slots, tier_spec.bytes_per_block, tier_spec.backend) if tier_spec is not None
                 else None)
         self.kv_cache_manager = KVCacheManager(self.executor.num_blocks, config.block_size, config.enable_prefix_caching,
                                                sliding_window=self.executor.sliding_window, tier=tier)
+        spec_limits, governor = scheduler_settings(config)  # speculative decoding's (none: {}, None)
         limits = SchedulerLimits(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -82,21 +71,10 @@ class EngineCore:
             max_loras_per_step=config.max_loras_per_step or 0,
             max_batches_in_flight=self.batch_depth,
             scheduling_policy=config.scheduling_policy,
-            **_spec_limits(config),
+            **spec_limits,
         )
-        governor = None
-        spec = config.speculative_config
-        if spec is not None and spec.auto_disable:  # plain steps while measured costs say speculation loses
-            from pagedllm.spec_decode.governor import SpecGovernor
-
-            # Wall time, also on CPU: the process's CPU time counts OpenMP threads spinning through
-            # a speculative step's longer Python stretches, and the main thread's CPU time misses
-            # work on the others; with either, a quiet 2-thread CPU turned a 1.7x n-gram and a
-            # 1.2x EAGLE speed-up off (docs/benchmarks.md, issue 20).
-            governor = SpecGovernor()
-        self.scheduler = Scheduler(limits, self.kv_cache_manager, spec_governor=governor)
         self.tokenizer = tokenizer
-        self.structured = None  # StructuredOutputs (constrained decoding needs the tokenizer)
+        self.structured = None  # the scheduler's grammar source (constrained decoding needs the tokenizer)
         if tokenizer is not None:  # xgrammar is imported on first use
             from pagedllm.engine.structured_outputs import StructuredOutputs
             from pagedllm.structured_output.backend import CompileIsolation
@@ -106,10 +84,10 @@ class EngineCore:
             self.structured = StructuredOutputs(
                 StructuredOutputManager(tokenizer, self.hf_config.vocab_size, list(eos_token_ids),
                                         CompileLimits.from_config(config), CompileIsolation.from_config(config)))
+        self.scheduler = Scheduler(limits, self.kv_cache_manager, spec_governor=governor, grammars=self.structured)
         self.last_timing = StepTiming()  # the last step's phases
         self._phase = [0.0, 0.0, 0.0]
         self._last_mark = 0.0
-        self._beam_groups: dict = {}  # beam searches running (by request id): their live beams on an abort
         self._batch_queue: deque = deque()  # pipeline parallel: submitted SchedulerOutputs, oldest first
 
     def _make_executor(self, factory=None) -> Executor:
@@ -138,10 +116,7 @@ class EngineCore:
         """Queue a request (validated by the front end's InputProcessor): its children, or its
         beam group's root."""
         for req in self._core_requests(request):
-            if req.sampling_params.structured_outputs is not None:
-                self.structured.add(req)  # compiled off the step loop; scheduled once compiled
-            else:
-                self.scheduler.add_request(req)
+            self.scheduler.add_request(req)
 
     def _core_requests(self, r: EngineCoreRequest) -> list[Request]:
         extra = {"priority": r.priority} if r.priority else {}  # refused by the server unless the policy is "priority"
@@ -152,7 +127,7 @@ class EngineCore:
 
             req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, max_tokens=r.max_tokens,
                           arrival_time=r.arrival_time, cache_salt=r.cache_salt, **extra)
-            req.beam = self._beam_groups[r.request_id] = make_beam_group(r, self.tokenizer)
+            req.beam = make_beam_group(r, self.tokenizer)
             return [req]
         return [Request(cid, r.prompt_token_ids, r.child_params(i), max_tokens=r.max_tokens,
                         arrival_time=r.arrival_time, cache_salt=r.cache_salt, lora=r.lora, **extra)
@@ -162,47 +137,25 @@ class EngineCore:
                        ) -> list[EngineCoreOutput]:
         """Finish these (core) requests; the final outputs of the beam searches among them (their
         live beams so far)."""
-        request_ids = list(request_ids)
-        if self.structured is not None:
-            self.structured.abort(request_ids)
-        done = self.scheduler.finish_requests(request_ids, status)
-        reason = finish_reason_of(status)
-        return [EngineCoreOutput(rid, [], finish_reason=reason, beam_hypotheses=self._beam_groups.pop(rid).results())
-                for rid in done if rid in self._beam_groups]
+        return self.scheduler.abort_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return (self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
-                or bool(self.structured is not None and self.structured.compiling))
-
-    def _execute(self, so):
-        grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
-        if grammar is None:
-            return self.executor.execute(so)
-        return self.executor.execute(so, grammar=grammar)
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     def _update(self, so, runner_output) -> list[EngineCoreOutput]:
         try:  # each request is isolated inside; this is the last resort: the step's requests fail, not the engine
-            outputs = self.scheduler.update_from_output(so, runner_output)
+            return self.scheduler.update_from_output(so, runner_output)
         except Exception:
             logger.exception("applying a step's output failed (%d requests); they finish with \"error\"",
                              len(so.num_scheduled_tokens))
-            outputs = [o for rid in so.num_scheduled_tokens for o in self.scheduler.fail_request(rid)]
-        return self.structured.after_update(outputs, self.scheduler) if self.structured is not None else outputs
+            return [o for rid in so.num_scheduled_tokens for o in self.scheduler.fail_request(rid)]
 
     def step(self) -> list[EngineCoreOutput]:
         t0 = time.perf_counter()
         self._phase = [0.0, 0.0, 0.0]  # schedule, execute, update (perf_counter marks, see _mark)
         self._last_mark = t0
         outputs = self._step()
-        failed = self.scheduler.take_failed()  # requests that raised while being scheduled
-        if failed:
-            if self.structured is not None:
-                self.structured.abort([o.req_id for o in failed])
-            outputs = failed + outputs
-        if self._beam_groups:
-            for out in outputs:
-                if out.finish_reason is not None:
-                    self._beam_groups.pop(out.req_id, None)
+        outputs = self.scheduler.take_failed() + outputs  # finished while scheduled: a unit raised, a grammar failed
         sched, execute, update = self._phase
         self.last_timing = StepTiming(schedule=sched, execute=execute, update=update,
                                       total=time.perf_counter() - t0)
@@ -215,25 +168,22 @@ class EngineCore:
         self._last_mark = now
 
     def _step(self) -> list[EngineCoreOutput]:
-        admitted: list[EngineCoreOutput] = []
-        if self.structured is not None and self.structured.compiling:
-            admitted = self.structured.admit(self.scheduler, idle=not self.scheduler.has_unfinished_requests())
         if self.batch_depth > 1:
-            return admitted + self._step_pipelined()
+            return self._step_pipelined()
         scheduler_output = self.scheduler.schedule()
         self._mark(0)
         try:
-            runner_output = self._execute(scheduler_output)
+            runner_output = self.executor.execute(scheduler_output)
             self._mark(1)
         except Exception:
             if self.executor.is_dead:  # e.g. a tensor-parallel rank is gone: nothing to save
                 raise
             logger.exception("step failed (%d requests); isolating the request that caused it",
                              len(scheduler_output.num_scheduled_tokens))
-            return admitted + self._isolate(scheduler_output)
+            return self._isolate(scheduler_output)
         outputs = self._update(scheduler_output, runner_output)
         self._mark(2)
-        return admitted + outputs
+        return outputs
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Submit a new batch while fewer than pipeline_parallel_size are in flight; else (or
@@ -245,8 +195,7 @@ class EngineCore:
             so = sched.schedule()
             self._mark(0)
             if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids or so.kv_transfers:
-                grammar = self.structured.grammar(so, self.scheduler) if self.structured is not None else None
-                self.executor.submit(so, grammar)
+                self.executor.submit(so)
                 self._mark(1)
                 queue.append(so)
                 self.scheduler.in_flight.update(so.num_scheduled_tokens)
@@ -268,8 +217,7 @@ class EngineCore:
         halves, recursively: a half that runs goes on as usual, a lone request that still fails
         finishes with "error". At most 2 x log2(batch) extra steps, only after a failure."""
         if len(failed.num_scheduled_tokens) <= 1:
-            outputs = self.scheduler.fail_step(failed)
-            return self.structured.after_update(outputs, self.scheduler) if self.structured is not None else outputs
+            return self.scheduler.fail_step(failed)
         ids = self.scheduler.rewind(failed)
         half = len(ids) // 2
         outputs: list[EngineCoreOutput] = []
@@ -278,7 +226,7 @@ class EngineCore:
             if not so.num_scheduled_tokens and not so.kv_transfers:
                 continue
             try:
-                runner_output = self._execute(so)
+                runner_output = self.executor.execute(so)
             except Exception:
                 if self.executor.is_dead:
                     raise

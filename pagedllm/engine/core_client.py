@@ -120,7 +120,7 @@ class InprocClient:
     def check_alive(self) -> None:
         executor = self.core.executor
         if executor.is_dead:  # e.g. a Ray worker died while idle
-            raise EngineCoreDeadError(getattr(executor, "dead_reason", None) or "the engine's workers died")
+            raise EngineCoreDeadError(executor.dead_reason or "the engine's workers died")
 
     def shutdown(self) -> None:
         self.core.shutdown()

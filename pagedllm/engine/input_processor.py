@@ -153,7 +153,7 @@ class InputProcessor:
         return self.structured.submit(spec) if spec is not None else None
 
     def _structured_spec(self, params):
-        spec = getattr(params, "structured_outputs", None)  # BeamSearchParams has the property too
+        spec = params.structured_outputs  # BeamSearchParams has the property too (always None)
         if spec is None:
             return None
         if self.structured is None:

@@ -6,7 +6,7 @@ implementations (``UniprocExecutor``, ``MultiprocExecutor``) satisfy this Protoc
 structurally; a test checks their names and signatures against it.
 
 Pipeline parallelism: the executors that run stages (``MultiprocExecutor``, ``RayExecutor``)
-also have ``submit(scheduler_output, grammar=None)`` (start a step without waiting for it) and
+also have ``submit(scheduler_output)`` (start a step without waiting for it) and
 ``collect() -> ModelRunnerOutput`` (the oldest submitted step's output); the engine keeps up to
 pipeline_parallel_size steps in flight through them (engine/core.py).
 """
@@ -23,6 +23,9 @@ class Executor(Protocol):
     max_model_len: int  # the context length served: lowered to what the KV cache holds unless the user set it
     sliding_window: Optional[int]  # the window every attention layer shares (blocks behind it are freed), else None
     kv_tier_spec: Optional[KVTierSpec]  # the workers' KV offload tier (slots, bytes per block), else None
+    # Steps it runs at once: its pipeline stages, or an asynchronous device's queue (1: one at a
+    # time); the engine keeps this many in flight through ``submit``/``collect`` when above 1.
+    max_concurrent_batches: int
 
     @property
     def num_forward_tokens(self) -> int:
@@ -40,9 +43,14 @@ class Executor(Protocol):
         then fails instead of failing only the step's requests."""
         ...
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+    @property
+    def dead_reason(self) -> Optional[str]:
+        """Why it cannot run another step (e.g. which rank died); None while it can."""
+        ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; the result is the driver rank's (with its logprobs).
-        ``grammar``: the step's structured-output bitmasks (a StepGrammar), for the sampling rank."""
+        The step's structured-output masks (``scheduler_output.grammar``) go to the sampling rank only."""
         ...
 
     def shutdown(self) -> None:

@@ -8,7 +8,7 @@ logprobs) and broadcasts the sampled ids so every rank's request state stays ide
 
 Pipeline parallelism (``pipeline_parallel_size`` P > 1; world = P x TP, stage-major ranks, see
 distributed/parallel_state.py): rank 0 runs stage 0 and broadcasts each step as
-(SchedulerOutput, grammar, ids sampled since the last step); each stage receives the previous
+(SchedulerOutput, ids sampled since the last step); each stage receives the previous
 stage's hidden states, runs its layers and sends its own on; the last stage's tp rank 0 samples
 and sends the ModelRunnerOutput to rank 0. ``submit`` returns once stage 0 has sent its part and
 ``collect`` waits for the oldest step's output, so the engine keeps up to P steps in flight
@@ -96,8 +96,8 @@ def run_worker_rank(config, hf_config, max_model_len, max_num_batched_tokens, ra
         if pp.world_size == 1:
             worker.execute(msg[0])
             continue
-        so, grammar, new_tokens = msg[0]
-        out = worker.execute_stage(so, grammar, new_tokens)
+        so, new_tokens = msg[0]
+        out = worker.execute_stage(so, new_tokens)
         if rank == pp.sampler_rank:
             pp.send_object(out, dst=0)
     pp.wait_sends()
@@ -165,11 +165,13 @@ class MultiprocExecutor:
     sliding_window: Optional[int]
     kv_tier_spec: Optional[KVTierSpec]
     weight_bytes_per_rank: list[int]
+    max_concurrent_batches: int  # one step per pipeline stage
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
         import torch.multiprocessing as mp
 
         tp, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        self.max_concurrent_batches = self.pp_size
         world = tp * self.pp_size
         self.world_size = world
         heads = hf_config.num_attention_heads
@@ -243,31 +245,35 @@ class MultiprocExecutor:
     def is_dead(self) -> bool:
         return self._dead
 
+    @property
+    def dead_reason(self) -> Optional[str]:
+        return (self._death_note() or "a step failed on the workers") if self._dead else None
+
     def _check_alive(self) -> None:
         for r, p in enumerate(self.procs, start=1):
             if not p.is_alive():
                 self._dead = True
                 raise RuntimeError(f"tensor-parallel worker rank {r} died (exit code {p.exitcode})")
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         import torch.distributed as dist
 
         if self.pp_size > 1:
-            self.submit(scheduler_output, grammar)
+            self.submit(scheduler_output)
             return self.collect()
         if self._dead:
             raise RuntimeError("a tensor-parallel worker died earlier; the engine cannot continue")
         self._check_alive()
         try:
-            dist.broadcast_object_list([scheduler_output], src=0, group=self.group.cpu_group)
-            return self.worker.execute(scheduler_output, grammar)  # rank 0 samples: the masks stay here
+            dist.broadcast_object_list([scheduler_output.without_grammar()], src=0, group=self.group.cpu_group)
+            return self.worker.execute(scheduler_output)  # rank 0 samples: the masks stay here
         except Exception as e:
             self._dead = True
             alive = [p.is_alive() for p in self.procs]
             raise RuntimeError(f"tensor-parallel step failed (workers alive: {alive}): {e}") from e
 
     # ---- pipeline parallelism: steps in flight ------------------------------------------------
-    def submit(self, scheduler_output: SchedulerOutput, grammar=None) -> None:
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step: broadcast it, run stage 0 (its hidden states go to stage 1 without
         waiting). Its output comes from ``collect``, in submission order."""
         import torch.distributed as dist
@@ -277,9 +283,9 @@ class MultiprocExecutor:
         self._check_alive()
         new_tokens, self._new_tokens = self._new_tokens, {}
         try:
-            dist.broadcast_object_list([(scheduler_output, grammar, new_tokens)], src=0,
+            dist.broadcast_object_list([(scheduler_output, new_tokens)], src=0,  # the last stage samples: with the masks
                                        group=self.group.world_cpu_group)
-            self.worker.execute_stage(scheduler_output, None, new_tokens)
+            self.worker.execute_stage(scheduler_output, new_tokens)
         except Exception as e:
             self._dead = True
             raise RuntimeError(f"pipeline-parallel step failed (workers alive: {[p.is_alive() for p in self.procs]}): "

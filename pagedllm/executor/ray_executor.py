@@ -86,20 +86,20 @@ class RayWorker:
                 "sliding_window": self.worker.kv_sliding_window, "threads": torch.get_num_threads(),
                 "weight_bytes": sum(p.numel() * p.element_size() for p in self.worker.model.parameters())}
 
-    def execute(self, scheduler_output, grammar=None):
-        out = self.worker.execute(scheduler_output, grammar)
+    def execute(self, scheduler_output):
+        out = self.worker.execute(scheduler_output)
         if self.rank != 0:
             return None
         return out, self.worker.runner.num_forward_tokens
 
-    def execute_stage(self, seq: int, scheduler_output, grammar=None, new_tokens=None):
+    def execute_stage(self, seq: int, scheduler_output, new_tokens=None):
         """Pipeline parallelism: this rank's part of step ``seq`` (run strictly in order)."""
         from pagedllm.distributed.parallel_state import get_pp_group
 
         with self._turn:
             self._turn.wait_for(lambda: self._next_seq == seq)
         try:
-            out = self.worker.execute_stage(scheduler_output, grammar, new_tokens)
+            out = self.worker.execute_stage(scheduler_output, new_tokens)
         finally:
             with self._turn:
                 self._next_seq += 1
@@ -129,6 +129,7 @@ class RayExecutor:
     sliding_window: Optional[int]
     weight_bytes_per_rank: list[int]
     kv_tier_spec: Optional[KVTierSpec] = None  # the KV offload tier is not supported with Ray yet (config refuses it)
+    max_concurrent_batches: int  # one step per pipeline stage
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
         if config.pipeline_parallel_size > 1:
@@ -140,7 +141,7 @@ class RayExecutor:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._ray = ray
-        self.pp_size = config.pipeline_parallel_size
+        self.pp_size = self.max_concurrent_batches = config.pipeline_parallel_size
         world = config.tensor_parallel_size * self.pp_size
         self.world_size = world
         self._sampler = (self.pp_size - 1) * config.tensor_parallel_size  # the rank that returns outputs
@@ -233,26 +234,29 @@ class RayExecutor:
     def num_forward_tokens(self) -> int:
         return self._num_forward_tokens
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
-        ray = self._ray
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.pp_size > 1:
-            self.submit(scheduler_output, grammar)
+            self.submit(scheduler_output)
             return self.collect()
         if self._dead_reason is not None:
             raise RuntimeError(f"{self._dead_reason}; the engine cannot continue")
-        so = ray.put(scheduler_output)
-        refs = [a.execute.remote(so, grammar if r == 0 else None) for r, a in enumerate(self.actors)]
+        steps = self._put(scheduler_output, 0)
+        refs = [a.execute.remote(so) for so, a in zip(steps, self.actors)]
         return self._wait_step(refs, 0)
 
-    def submit(self, scheduler_output: SchedulerOutput, grammar=None) -> None:
+    def _put(self, scheduler_output: SchedulerOutput, sampler: int) -> list:
+        """The step in the object store, per actor: the sampling rank's with the grammar masks."""
+        full = self._ray.put(scheduler_output)
+        peers = full if scheduler_output.grammar is None else self._ray.put(scheduler_output.without_grammar())
+        return [full if r == sampler else peers for r in range(len(self.actors))]
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
         """Pipeline parallelism: send a step to every actor without waiting for it."""
-        ray = self._ray
         if self._dead_reason is not None:
             raise RuntimeError(f"{self._dead_reason}; the engine cannot continue")
-        so = ray.put(scheduler_output)
+        steps = self._put(scheduler_output, self._sampler)
         new_tokens, self._new_tokens = self._new_tokens, {}
-        refs = [a.execute_stage.remote(self._seq, so, grammar if r == self._sampler else None, new_tokens)
-                for r, a in enumerate(self.actors)]
+        refs = [a.execute_stage.remote(self._seq, so, new_tokens) for so, a in zip(steps, self.actors)]
         self._seq += 1
         self._steps.append(refs)
 

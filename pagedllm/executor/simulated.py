@@ -44,7 +44,7 @@ class FakeDeviceModel:
             h = (h * 31 + t) % 2_147_483_647
         return h % self.vocab_size
 
-    def execute(self, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if so.num_spec_slots or so.block_copies or any(r.beam is not None for r in so.scheduled_new_reqs):
             raise ValueError("the fake device model runs plain requests only (no drafts, no beams)")
         for rid in so.finished_req_ids | so.preempted_req_ids:
@@ -72,6 +72,7 @@ class FakeDeviceModel:
 
 class SimulatedDeviceExecutor:
     is_dead = False
+    dead_reason = None
 
     def __init__(self, num_blocks: int, max_model_len: int, device_seconds: float, host_seconds: float = 0.0,
                  inner=None, vocab_size: int = 1024, max_concurrent_batches: int = 1) -> None:
@@ -96,10 +97,10 @@ class SimulatedDeviceExecutor:
             item = self._queue.get()
             if item is None:
                 return
-            so, grammar, fut = item
+            so, fut = item
             t0 = time.perf_counter()
             try:
-                out = self.model.execute(so, grammar)
+                out = self.model.execute(so)
             except BaseException as e:
                 fut.set_exception(e)
                 continue
@@ -110,18 +111,18 @@ class SimulatedDeviceExecutor:
             fut.set_result(out)
 
     # ---- the executor -----------------------------------------------------------------------
-    def submit(self, scheduler_output: SchedulerOutput, grammar=None) -> None:
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
         if self.host_seconds > 0:
             time.sleep(self.host_seconds)  # preparing inputs, launching kernels
         fut: Future = Future()
         self._futures.append(fut)
-        self._queue.put((scheduler_output, grammar, fut))
+        self._queue.put((scheduler_output, fut))
 
     def collect(self) -> ModelRunnerOutput:
         return self._futures.pop(0).result()
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
-        self.submit(scheduler_output, grammar)
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
         return self.collect()
 
     @property

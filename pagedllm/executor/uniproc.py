@@ -12,6 +12,7 @@ class UniprocExecutor:
     sliding_window: Optional[int]
     kv_tier_spec: Optional[KVTierSpec]
     is_dead = False  # an exception in the in-process worker leaves it usable for other requests
+    max_concurrent_batches = 1
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
         from pagedllm.distributed.parallel_state import PPGroup, TPGroup, set_pp_group, set_tp_group
@@ -31,8 +32,12 @@ class UniprocExecutor:
     def num_forward_tokens(self) -> int:
         return self.worker.runner.num_forward_tokens
 
-    def execute(self, scheduler_output: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
-        return self.worker.execute(scheduler_output, grammar)
+    @property
+    def dead_reason(self) -> None:
+        return None
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute(scheduler_output)
 
     @property
     def weight_bytes_per_rank(self) -> list[int]:

@@ -60,6 +60,25 @@ def default_disable_batch_size(device: str) -> int:
     return CPU_DISABLE_BATCH_SIZE if device == "cpu" else 0
 
 
+def scheduler_settings(config) -> tuple[dict, Optional["SpecGovernor"]]:
+    """What speculative decoding (``config.speculative_config``) asks of the scheduler: its
+    SchedulerLimits fields (draft slots per request, the batch size from which no drafts) and
+    the governor that turns drafts off while they lose (None unless auto_disable); ({}, None)
+    without speculative decoding."""
+    spec = config.speculative_config
+    if spec is None:
+        return {}, None
+    disable = spec.disable_by_batch_size
+    if disable is None:  # auto_disable's measured default: 16 on CPU, none elsewhere
+        disable = default_disable_batch_size(config.device) if spec.auto_disable else 0
+    limits = {"num_spec_tokens": spec.num_speculative_tokens, "spec_disable_batch_size": disable}
+    # Wall time, also on CPU: the process's CPU time counts OpenMP threads spinning through a
+    # speculative step's longer Python stretches, and the main thread's CPU time misses work on
+    # the others; with either, a quiet 2-thread CPU turned a 1.7x n-gram and a 1.2x EAGLE
+    # speed-up off (docs/benchmarks.md, issue 20).
+    return limits, SpecGovernor() if spec.auto_disable else None
+
+
 class _Bucket:
     __slots__ = ("t_spec", "t_plain", "tokens_spec", "n_spec", "n_plain", "speculate", "left", "probing",
                  "window", "free_plain", "speculate_before", "unmeasured")

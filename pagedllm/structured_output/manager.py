@@ -1,16 +1,16 @@
 """StructuredOutputManager: the engine's side of constrained decoding.
 
-Lifecycle of a constrained request (driven by engine/core.py):
+Lifecycle of a constrained request (driven by the scheduler through engine/structured_outputs.py):
  1. ``submit``: its constraint is checked against the limits (structured_output/limits.py) and
     compiled on the manager's own bounded pool (cached by the constraint's text, in bytes); the
-    request waits outside the scheduler while others run on. ``validate`` waits for it (at most
+    request waits in the scheduler's queue (WAITING_FOR_GRAMMAR) while others run on. ``validate`` waits for it (at most
     ``structured_compile_timeout``), for callers that want the error at once (LLM.generate); the
     server awaits ``submit``'s future itself, so a client that goes away withdraws its compile.
  2. ``start``: once compiled, a GrammarMatcher is made for it (one per sequence: n > 1 fans out
     into separate requests, each with its own).
  3. each step, ``step_grammar``: the allowed-token bitmask of every constrained request that
-    samples this step, filled in one batched call, handed to the runner (rank 0 applies it to
-    the logits before sampling).
+    samples this step, filled in one batched call, carried to the runner in SchedulerOutput.grammar
+    (the sampling rank applies it to the logits before sampling).
  4. ``advance``: the matcher accepts the tokens the scheduler appended. Preemption recomputes
     the KV cache but keeps the accepted tokens, so the matcher stays where it is; a step that
     fails is rewound before any token is appended, so the matcher never saw it either.
@@ -22,11 +22,10 @@ import ctypes
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
-import torch
-
+from pagedllm.core.contracts import GrammarBitmask
+from pagedllm.core.grammar_wait import Advance
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import CompileIsolation, GrammarBackend, import_xgrammar, spec_key
 from pagedllm.structured_output.compile_process import CompileDeadlineError
@@ -66,23 +65,6 @@ def _relay(shared: Future, mine: Future) -> None:
         pass
 
 
-@dataclass(frozen=True, slots=True)
-class StepGrammar:
-    """One step's masks: ``bitmask[rows[req_id]]`` is the allowed-token bitmask (int32 words,
-    xgrammar's layout) of each constrained request that samples this step."""
-
-    rows: dict[str, int]
-    bitmask: torch.Tensor  # int32 [len(rows), ceil(vocab / 32)]
-
-
-@dataclass(frozen=True, slots=True)
-class Advance:
-    """What accepting a request's new tokens found."""
-
-    rejected: bool  # a token the grammar does not allow (the output is not valid: fail the request)
-    terminated: bool  # the grammar reached its end (the request should stop)
-
-
 class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
                  limits: Optional[CompileLimits] = None, isolation: Optional[CompileIsolation] = None) -> None:
@@ -97,7 +79,6 @@ class StructuredOutputManager:
         self._inflight: dict[tuple[str, str], Future] = {}  # compiles queued or running, by constraint
         self._waiters: dict[tuple[str, str], int] = {}  # callers still waiting on each
         self.matchers: dict[str, Any] = {}
-        self._buffer: Optional[torch.Tensor] = None
 
     @property
     def backend(self) -> GrammarBackend:
@@ -214,18 +195,18 @@ class StructuredOutputManager:
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
 
-    def step_grammar(self, sampling_req_ids: list[str]) -> Optional[StepGrammar]:
+    def step_grammar(self, sampling_req_ids: list[str]) -> Optional[GrammarBitmask]:
         """The bitmask rows of the constrained requests among ``sampling_req_ids`` (the requests
-        that produce a token this step), or None when none is constrained."""
+        that produce a token this step), or None when none is constrained. A new array each
+        step: with steps in flight (pipeline stages, an asynchronous executor) an earlier step's
+        masks must not change under it."""
         ids = [r for r in sampling_req_ids if r in self.matchers]
         if not ids:
             return None
         backend = self.backend
-        if self._buffer is None or self._buffer.shape[0] < len(ids):
-            self._buffer = backend.allocate_bitmask(max(len(ids), 2 * (0 if self._buffer is None else self._buffer.shape[0])))
-        bitmask = self._buffer[: len(ids)]
+        bitmask = backend.allocate_bitmask(len(ids))
         backend.batch_fill([self.matchers[r] for r in ids], bitmask)
-        return StepGrammar({r: i for i, r in enumerate(ids)}, bitmask)
+        return GrammarBitmask({r: i for i, r in enumerate(ids)}, bitmask)
 
     def advance(self, req_id: str, tokens: list[int], stop_token_ids: Iterable[int]) -> Optional[Advance]:
         """Accept ``tokens`` (the request's new output tokens); None if it is unconstrained."""

@@ -89,9 +89,9 @@ class ModelRunner:
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, so: SchedulerOutput, grammar=None) -> ModelRunnerOutput:
-        """prepare -> forward -> sample / verify / score -> update. ``grammar``: the structured-output
-        bitmasks of the step (a StepGrammar; rank 0 only)."""
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """prepare -> forward -> sample / verify / score -> update. ``so.grammar``: the step's
+        structured-output masks (on the sampling rank)."""
         tier = self._run_kv_transfers(so)  # the KV offload tier first: stores read blocks this step reuses
         self._apply_diffs(so)
         if so.is_empty:
@@ -108,7 +108,7 @@ class ModelRunner:
         if drafts is not None:  # speculative decoding: every drafted position verified at once
             sampled_lists, logprobs, num_drafts = self.spec.verify(self, inputs, hidden, drafts, draft_probs)
         else:
-            sampled, logprobs = self._sample(inputs, hidden, grammar)
+            sampled, logprobs = self._sample(inputs, hidden, so.grammar)
             sampled_lists = self._update_states(inputs, sampled)
         self.spec.observe(self, inputs, hidden)  # EAGLE: the target's hidden states of the computed positions
         return ModelRunnerOutput(inputs.req_ids, sampled_lists, logprobs, prompt_logprobs,

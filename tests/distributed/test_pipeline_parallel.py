@@ -111,10 +111,10 @@ def test_pp_batches_overlap_and_never_repeat_a_request_in_flight(ckpt, reference
     ex = core.executor
     depths, submit = [], ex.submit
 
-    def checked_submit(so, grammar=None):
+    def checked_submit(so):
         assert not set(so.num_scheduled_tokens) & core.scheduler.in_flight
         depths.append(len(core._batch_queue))
-        return submit(so, grammar)
+        return submit(so)
 
     ex.submit = checked_submit
     try:

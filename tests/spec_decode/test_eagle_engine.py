@@ -257,8 +257,8 @@ def test_accepted_length_accounting_is_exact(bigram):
     runner = llm.engine.core.executor.worker.runner
     rows, inner = [], runner.execute
 
-    def record(so, grammar=None):
-        out = inner(so, grammar)
+    def record(so):
+        out = inner(so)
         for i, toks in enumerate(out.sampled_token_ids):
             rows.append((len(toks), out.num_draft_tokens[i] if out.num_draft_tokens else 0))
         return out

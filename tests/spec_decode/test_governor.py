@@ -175,8 +175,10 @@ def test_no_drafts_from_the_disable_batch_size_on_with_a_cpu_default():
     from types import SimpleNamespace
 
     from pagedllm.config import SpeculativeConfig
-    from pagedllm.engine.core import _spec_limits
-    from pagedllm.spec_decode.governor import CPU_DISABLE_BATCH_SIZE
+    from pagedllm.spec_decode.governor import CPU_DISABLE_BATCH_SIZE, scheduler_settings
+
+    def _spec_limits(config):
+        return scheduler_settings(config)[0]
 
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     limits = _spec_limits(SimpleNamespace(speculative_config=spec, device="cpu"))
