@@ -225,4 +225,8 @@ def format_log_line(stats, tokens_per_s: Optional[float] = None) -> str:
     spec = spec_decode_summary(stats)
     if spec:
         parts.append(spec)
+    tier = stats.kv_tier
+    if tier is not None:
+        parts.append(f"KV offload tier usage: {100 * tier.usage:.1f}%, hit rate: "
+                     f"{100 * tier.hit_tokens / max(1, tier.lookup_tokens):.1f}%")
     return ", ".join(parts)

@@ -61,6 +61,13 @@ def test_identical_with_the_host_tier(llama_ckpt, reference):
     assert tier.hit_tokens >= 4 * 5 * 16  # turn 2 of each conversation: its document came back from the tier
     assert stats.num_preemptions > 0  # the batched part preempted and resumed
     assert stats.num_scheduled_tokens_total < reference[1].num_scheduled_tokens_total  # less recomputed
+    from pagedllm.metrics.prometheus import PrometheusMetrics
+
+    metrics = PrometheusMetrics("m")
+    metrics.update_stats(stats)
+    text = metrics.render(stats)[0].decode()
+    assert f'pagedllm:external_prefix_cache_hits_total{{model_name="m"}} {float(tier.hit_tokens)}' in text
+    assert f'pagedllm:kv_offload_loaded_bytes_total{{model_name="m"}} {float(tier.loaded_blocks * tier.bytes_per_block)}' in text
 
 
 def test_failed_loads_are_recomputed_with_the_same_output(llama_ckpt, reference):
