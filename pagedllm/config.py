@@ -91,6 +91,9 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+DEFAULT_IMAGES_PER_PROMPT = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(default_factory=default_model_path)
@@ -172,6 +175,9 @@ class EngineConfig:
     # a directory whose image files prompts may name (a path or file:// URL; vLLM's --allowed-local-media-path);
     # None: no local files. Remote http(s) image URLs are never fetched.
     allowed_local_media_path: Optional[str] = None
+    # most images one prompt may carry, vLLM's --limit-mm-per-prompt: {"image": N} (or its JSON text); default 16.
+    # Kept as ((modality, limit), ...) once checked.
+    limit_mm_per_prompt: Optional[object] = None
 
     def _check_kv_offloading(self) -> None:
         if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
@@ -227,8 +233,35 @@ class EngineConfig:
         if self.enable_lora:
             raise ValueError("LoRA (enable_lora) does not support pipeline_parallel_size > 1 yet")
 
+    @property
+    def max_images_per_prompt(self) -> int:
+        return dict(self.limit_mm_per_prompt).get("image", DEFAULT_IMAGES_PER_PROMPT)
+
+    def _parse_mm_limits(self) -> None:
+        value = self.limit_mm_per_prompt
+        if value is None:
+            value = {}
+        if isinstance(value, tuple):  # already parsed (dataclasses.replace)
+            value = dict(value)
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"limit_mm_per_prompt must be JSON like '{{\"image\": 4}}', got {value!r}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"limit_mm_per_prompt must be a dict like {{'image': 4}}, got {value!r}")
+        for key, n in value.items():
+            if key != "image":
+                raise ValueError(f"limit_mm_per_prompt: unsupported modality {key!r} (supported: 'image')")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {n!r}")
+        object.__setattr__(self, "limit_mm_per_prompt", tuple(sorted(value.items())))  # hashable, like the config
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        self._parse_mm_limits()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None:

@@ -68,7 +68,8 @@ class LLMEngine:
 
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size, self.max_model_len, limits,
                                               self.eos_token_ids, self.lora_registry, self._grammar_checker(),
-                                              make_image_processor(config.model, hf_config, self.tokenizer),
+                                              make_image_processor(config.model, hf_config, self.tokenizer,
+                                                                   config.max_images_per_prompt),
                                               config.allowed_local_media_path)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()

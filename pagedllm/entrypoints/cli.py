@@ -91,6 +91,9 @@ _HELP = {
     "kv_offloading_backend": "the KV offload tier's store: native (host memory; pinned on GPU) or disk (files under "
                              "--kv-offload-dir)",
     "kv_offload_dir": "directory of the disk KV offload tier's block files (--kv-offloading-backend disk)",
+    "allowed_local_media_path": "a directory whose image files prompts may name (a path or file:// URL in an "
+                                "image_url part); default none. http(s) image URLs are always refused",
+    "limit_mm_per_prompt": "most images a prompt may carry, as JSON: {\"image\": 4} (default 16)",
 }
 _SKIP = {"model"}
 def parse_size(text: str) -> int:

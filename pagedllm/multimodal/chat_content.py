@@ -20,7 +20,8 @@ class ContentError(ValueError):
 
 
 def flatten_messages(messages: list[dict[str, Any]], placeholder: Optional[str],
-                     allowed_local_media_path: Optional[str] = None) -> tuple[list[dict[str, Any]], list]:
+                     allowed_local_media_path: Optional[str] = None,
+                     max_images: int = 16) -> tuple[list[dict[str, Any]], list]:
     """(messages with string contents, the images in prompt order). ``placeholder`` None: the
     model takes no images (an image part is refused)."""
     out, images = [], []
@@ -28,13 +29,15 @@ def flatten_messages(messages: list[dict[str, Any]], placeholder: Optional[str],
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             m = dict(m, content=flatten_content(content, placeholder, images, allowed_local_media_path,
-                                                f"messages[{i}].content"))
+                                                f"messages[{i}].content", max_images))
         out.append(m)
     return out, images
 
 
 def flatten_content(parts: list, placeholder: Optional[str], images: list,
-                    allowed_local_media_path: Optional[str], where: str) -> str:
+                    allowed_local_media_path: Optional[str], where: str, max_images: int = 16) -> str:
+    """``images`` receives the loaded images (more than ``max_images`` in all: refused before
+    the next one is decoded)."""
     texts = []
     for j, part in enumerate(parts):
         param = f"{where}[{j}]"
@@ -49,6 +52,8 @@ def flatten_content(parts: list, placeholder: Optional[str], images: list,
         param = f"{param}.{kind}"
         if placeholder is None:
             raise ContentError("this model takes no images", param)
+        if len(images) >= max_images:
+            raise ContentError(f"more than {max_images} images in one prompt (limit_mm_per_prompt)", param)
         source = part.get(kind)
         if kind == "image_url":
             source = source.get("url") if isinstance(source, dict) else source

@@ -53,7 +53,8 @@ class ImagePromptProcessor:
             return []
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if len(images) > self.max_images:
-            raise ValueError(f"multi_modal_data: {len(images)} images, over the limit of {self.max_images} a prompt")
+            raise ValueError(f"multi_modal_data: {len(images)} images, over the limit of {self.max_images} a prompt "
+                             "(limit_mm_per_prompt)")
         return images
 
     def process(self, token_ids: Sequence[int], images: Sequence[Any],
@@ -101,8 +102,10 @@ class ImagePromptProcessor:
         return runs
 
 
-def make_image_processor(model_dir: str, hf_config, tokenizer=None) -> Optional[ImagePromptProcessor]:
-    """The model's ImagePromptProcessor, or None for a model that takes no images."""
+def make_image_processor(model_dir: str, hf_config, tokenizer=None, max_images: int = 16
+                         ) -> Optional[ImagePromptProcessor]:
+    """The model's ImagePromptProcessor (at most ``max_images`` a prompt), or None for a model that
+    takes no images."""
     archs = getattr(hf_config, "architectures", None) or []
     if not any(a in MULTIMODAL_ARCHITECTURES for a in archs):
         return None
@@ -121,4 +124,4 @@ def make_image_processor(model_dir: str, hf_config, tokenizer=None) -> Optional[
             placeholder = tokenizer.convert_ids_to_tokens(tok) or placeholder
         except Exception:
             pass
-    return ImagePromptProcessor(tok, num, preprocess, placeholder)
+    return ImagePromptProcessor(tok, num, preprocess, placeholder, max_images)

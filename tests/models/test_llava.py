@@ -154,14 +154,30 @@ def test_bad_images_refused_naming_the_field(llava):
         chat({"type": "image_url", "image_url": {"url": "file:///etc/hostname"}})
     with pytest.raises(ValueError, match=r"content\[1\]: unsupported content part type 'audio_url'"):
         chat({"type": "audio_url", "audio_url": {"url": "x"}})
+    with pytest.raises(ValueError, match=r"17 images, over the limit of 16 a prompt \(limit_mm_per_prompt\)"):
+        llm.generate({"prompt": "w1", "multi_modal_data": {"image": [a] * 17}}, SP, use_tqdm=False)
     assert_idle(llm)
 
 
-def test_text_model_refuses_images():
+def test_text_model_refuses_images_and_the_image_limit():
+    from pagedllm.config import EngineConfig
     from pagedllm.engine.input_processor import InputProcessor
+    from pagedllm.multimodal.chat_content import ContentError, flatten_content
 
     with pytest.raises(ValueError, match="multi_modal_data: this model takes no images"):
         InputProcessor(None, 100, 64).process({"prompt_token_ids": [1, 2], "multi_modal_data": {"image": []}})
+    with pytest.raises(ContentError, match="this model takes no images"):
+        flatten_content([{"type": "image_url", "image_url": {"url": "data:,"}}], None, [], None, "messages[0].content")
+    assert EngineConfig(limit_mm_per_prompt='{"image": 2}').max_images_per_prompt == 2
+    assert EngineConfig(limit_mm_per_prompt={"image": 0}).max_images_per_prompt == 0
+    assert EngineConfig().max_images_per_prompt == 16
+    for bad in ('{"video": 1}', '{"image": -1}', "image=2", [2]):
+        with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+            EngineConfig(limit_mm_per_prompt=bad)
+    img = sample_images()[0]
+    parts = [{"type": "image_pil", "image_pil": img}] * 2
+    with pytest.raises(ContentError, match=r"messages\[0\]\.content\[1\]\.image_pil: more than 1 images"):
+        flatten_content(parts, "<image>", [], None, "messages[0].content", max_images=1)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU cores")

@@ -632,8 +632,10 @@ class OpenAIServing:
         processor = self.input_processor.images
         placeholder = processor.placeholder if processor is not None else None
         try:
+            config = self.engine.config
             return [flatten_content([p.model_dump(exclude_none=True) for p in c], placeholder, images,
-                                    self.engine.config.allowed_local_media_path, f"messages[{i}].content")
+                                    config.allowed_local_media_path, f"messages[{i}].content",
+                                    config.max_images_per_prompt)
                     if isinstance(c, list) else c for i, c in enumerate(contents)]
         except ContentError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
