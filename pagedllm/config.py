@@ -178,6 +178,10 @@ class EngineConfig:
     # most images one prompt may carry, vLLM's --limit-mm-per-prompt: {"image": N} (or its JSON text); default 16.
     # Kept as ((modality, limit), ...) once checked.
     limit_mm_per_prompt: Optional[object] = None
+    # vLLM's --async-scheduling: the core schedules step N+1 while step N runs, the tokens N is still
+    # sampling standing in as placeholders the worker fills in itself (engine/core.py); a step with a
+    # beam search or a constrained request running goes one at a time
+    async_scheduling: bool = False
 
     def _check_kv_offloading(self) -> None:
         if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
@@ -339,6 +343,10 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got "
                              f"{self.scheduling_policy!r}")
+        if self.async_scheduling and (self.speculative_config is not None or self.tensor_parallel_size > 1
+                                      or self.pipeline_parallel_size > 1 or self.kv_offloading_size is not None):
+            raise ValueError("async_scheduling does not support speculative decoding, tensor or pipeline "
+                             "parallelism, or the KV offload tier (kv_offloading_size) yet")
         if self.cpu_gemm not in ("auto", "pagedllm", "onednn"):
             raise ValueError(f"cpu_gemm must be 'auto', 'pagedllm' or 'onednn', got {self.cpu_gemm!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:

@@ -49,6 +49,7 @@ class Request:
         "sampling_params",
         "status",
         "num_computed_tokens",
+        "num_pending",
         "num_cached_tokens",
         "block_hashes",
         "cache_salt",
@@ -84,6 +85,9 @@ class Request:
         self.max_tokens = max_tokens  # effective cap, already clipped to max_model_len
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Async scheduling (engine/core.py): tokens being sampled by steps in flight, not known yet;
+        # a running request is scheduled past them (their positions are computed as placeholders)
+        self.num_pending = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache (set on first schedule)
         self.block_hashes: list[bytes] = []  # hashes of full blocks, grown by the KV cache manager
         self.cache_salt = cache_salt

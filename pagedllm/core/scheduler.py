@@ -402,8 +402,8 @@ class Scheduler:
         requests, running = self.requests, RequestStatus.RUNNING
         for row, rid in enumerate(runner_output.req_ids):
             req = requests.get(rid)
-            if req is None or req.status != running:
-                continue  # aborted or preempted while the step ran
+            if req is None or (req.status != running and not (req.num_pending and req.status == RequestStatus.PREEMPTED)):
+                continue  # aborted while the step ran (or preempted, its token not awaited: pipeline parallelism)
             try:  # a failure here is this request's (or beam group's) alone: it finishes with "error"
                 req.unit.on_output(self, so, runner_output, row, outputs)
             except Exception:

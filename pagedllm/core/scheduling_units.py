@@ -100,9 +100,13 @@ class RequestUnit:
 
     def schedule_running(self, sched, plan: StepPlan) -> bool:
         req = self.request
-        num_new = sched.cap(req.num_tokens - req.num_computed_tokens, plan.budget)
+        pending = req.num_pending  # async scheduling: tokens of steps in flight, scheduled past as placeholders
+        num_new = sched.cap(req.num_tokens + pending - req.num_computed_tokens, plan.budget)
         if num_new <= 0 or not sched.fits_step(self):
             return True
+        if pending and (req.num_output_tokens + pending >= req.max_tokens
+                        or req.num_tokens + pending >= sched.limits.max_model_len):
+            return True  # the token in flight is its last: nothing after it to compute
         spec = sched.look_ahead.slots(req, num_new, plan.budget, len(sched.running))
         num_new += spec
         new_block_ids = sched.kv.allocate_slots(req, num_new)
@@ -118,6 +122,8 @@ class RequestUnit:
 
     def admit(self, sched, plan: StepPlan) -> str:
         req = self.request
+        if req.num_pending:  # preempted while a step in flight samples its next token: wait for it
+            return SET_ASIDE
         if sched.kv.tier is not None and not sched.kv.prepare_admission(req):
             return SET_ASIDE  # its blocks come from the KV offload tier with this step; admitted after
         hit_blocks, num_hit = sched.kv.get_computed_blocks(req)

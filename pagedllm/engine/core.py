@@ -53,9 +53,13 @@ class EngineCore:
             self.max_model_len = self.executor.max_model_len
             self.max_num_batched_tokens = min(self.max_num_batched_tokens,
                                               resolve_max_num_batched_tokens(config, self.max_model_len))
-        # Steps kept in flight: one per pipeline stage, or what an asynchronous executor runs at
-        # once (executor/simulated.py: the host prepares step N+1 while the device runs step N).
-        self.batch_depth = self.executor.max_concurrent_batches
+        # Async scheduling (_step_async): step N+1 is scheduled and submitted while step N runs,
+        # for the same requests; else steps kept in flight as micro-batches: one per pipeline
+        # stage, or what an asynchronous executor runs at once (executor/simulated.py).
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling and not hasattr(self.executor, "submit"):
+            raise ValueError(f"async_scheduling: {type(self.executor).__name__} cannot run a step in the background")
+        self.batch_depth = 2 if self.async_scheduling else self.executor.max_concurrent_batches
         tier_spec = self.executor.kv_tier_spec
         tier = (KVTier(tier_spec.num_slots, tier_spec.bytes_per_block, tier_spec.backend) if tier_spec is not None
                 else None)
@@ -69,7 +73,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_loras_per_step=config.max_loras_per_step or 0,
-            max_batches_in_flight=self.batch_depth,
+            max_batches_in_flight=1 if self.async_scheduling else self.batch_depth,
             scheduling_policy=config.scheduling_policy,
             **spec_limits,
         )
@@ -168,8 +172,13 @@ class EngineCore:
         self._last_mark = now
 
     def _step(self) -> list[EngineCoreOutput]:
+        if self.async_scheduling:
+            return self._step_async()
         if self.batch_depth > 1:
             return self._step_pipelined()
+        return self._step_sync()
+
+    def _step_sync(self) -> list[EngineCoreOutput]:
         scheduler_output = self.scheduler.schedule()
         self._mark(0)
         try:
@@ -184,6 +193,85 @@ class EngineCore:
         outputs = self._update(scheduler_output, runner_output)
         self._mark(2)
         return outputs
+
+    # ---- async scheduling -------------------------------------------------------------------
+    def _step_async(self) -> list[EngineCoreOutput]:
+        """Schedule and submit step N+1, then collect step N and apply its output, so the host's
+        scheduling, output handling (and the front end's, between two calls) overlap the
+        device's step N+1. A request sampling in step N is scheduled in N+1 past that token
+        (``Request.num_pending``): the worker appends what it samples to its own request state,
+        so N+1's input is N's token without the host knowing it. Exact by construction: only
+        known tokens are hashed into prefix-cache blocks; a request whose token in flight is
+        its last (max_tokens, max_model_len) is not scheduled past it; one that finishes on N's
+        token (a stop token, an abort) is simply dropped from N+1's output; one preempted while
+        its token is in flight keeps that token (it waits for it before it is admitted again).
+        Steps with a beam search or a constrained request running (their next step depends on
+        the token: beams fork, grammars mask) go one at a time, after the steps in flight."""
+        queue = self._batch_queue
+        if not self._can_overlap():
+            return self._collect_async() if queue else self._step_sync()
+        if len(queue) < self.batch_depth:
+            so = self.scheduler.schedule()
+            self._mark(0)
+            if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids or so.kv_transfers:
+                sampling = self._mark_pending(so)
+                self.executor.submit(so)
+                self._mark(1)
+                queue.append((so, sampling))
+                if so.num_scheduled_tokens and len(queue) < self.batch_depth:
+                    return []  # the first step in flight: its output is collected with the next call
+        return self._collect_async() if queue else []
+
+    def _can_overlap(self) -> bool:
+        """No beam search and no constrained request running (a constrained request admitted by
+        this step's schedule has no token in flight: its mask is right; the next step drains)."""
+        structured = self.structured
+        return not self.scheduler.beam_groups and not (structured is not None and structured.manager.matchers)
+
+    def _mark_pending(self, so) -> list[Request]:
+        """The step's requests that sample (their token is then pending until its output is back)."""
+        requests, sampling = self.scheduler.requests, []
+        for rid in so.num_scheduled_tokens:
+            req = requests[rid]
+            if req.num_computed_tokens >= req.num_tokens + req.num_pending:
+                req.num_pending += 1
+                sampling.append(req)
+        return sampling
+
+    def _collect_async(self) -> list[EngineCoreOutput]:
+        so, sampling = self._batch_queue.popleft()
+        try:
+            runner_output = self.executor.collect()
+        except Exception:
+            if self.executor.is_dead:
+                raise
+            logger.exception("step failed (%d requests); isolating the request that caused it",
+                             len(so.num_scheduled_tokens))
+            return self._recover_async(so, sampling)
+        self._mark(1)
+        outputs = self._update(so, runner_output)
+        for req in sampling:
+            req.num_pending -= 1
+        self._mark(2)
+        return outputs
+
+    def _recover_async(self, failed, sampling: list[Request]) -> list[EngineCoreOutput]:
+        """A step in flight raised: the one submitted after it ran on states it left unknown, so
+        its requests are rewound (recomputed later) and the failed step is isolated as usual."""
+        later = list(self._batch_queue)
+        self._batch_queue.clear()
+        for _ in later:
+            try:
+                self.executor.collect()
+            except Exception:
+                pass  # the failure is the first step's; these are redone
+        for reqs in [sampling] + [s for _, s in later]:
+            for req in reqs:
+                req.num_pending = 0
+        for so, _ in reversed(later):
+            self.scheduler.rewind(so)
+        self._mark(1)
+        return self._isolate(failed)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Submit a new batch while fewer than pipeline_parallel_size are in flight; else (or
@@ -268,7 +356,7 @@ class EngineCore:
         """What the front end checks requests against."""
         c = self.config
         return EngineLimits(self.max_model_len, c.max_num_seqs, self.max_num_batched_tokens, self.num_blocks,
-                            c.block_size, c.max_n, pipeline_parallel=self.batch_depth > 1,
+                            c.block_size, c.max_n, pipeline_parallel=self.batch_depth > 1 and not self.async_scheduling,
                             speculative=c.speculative_config is not None)
 
     def reset_prefix_cache(self) -> bool:

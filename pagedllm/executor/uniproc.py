@@ -1,6 +1,14 @@
-"""UniprocExecutor: the single worker lives in the engine's own process (an executor.base.Executor)."""
+"""UniprocExecutor: the single worker lives in the engine's own process (an executor.base.Executor).
+
+``submit`` / ``collect`` (async scheduling, engine/core.py): a step runs on one "device" thread
+while the engine's thread schedules the next step and applies the previous one's output; steps
+run in submission order (the runner's request states and the KV cache see them as a stream
+would), and ``execute`` runs on the calling thread once nothing is in flight.
+"""
 from __future__ import annotations
 
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
 from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
@@ -27,6 +35,8 @@ class UniprocExecutor:
         self.max_model_len = self.worker.max_model_len  # lowered to what the cache holds if not set
         self.sliding_window = self.worker.kv_sliding_window
         self.kv_tier_spec = self.worker.kv_tier_spec
+        self._device: Optional[ThreadPoolExecutor] = None  # started by the first submit
+        self._in_flight: deque[Future] = deque()
 
     @property
     def num_forward_tokens(self) -> int:
@@ -37,11 +47,24 @@ class UniprocExecutor:
         return None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self._in_flight:
+            raise RuntimeError("execute() while submitted steps are in flight: collect() them first")
         return self.worker.execute(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        if self._device is None:
+            self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-step")
+        self._in_flight.append(self._device.submit(self.worker.execute, scheduler_output))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output (its exception, if it raised)."""
+        return self._in_flight.popleft().result()
 
     @property
     def weight_bytes_per_rank(self) -> list[int]:
         return [sum(p.numel() * p.element_size() for p in self.worker.model.parameters())]
 
     def shutdown(self) -> None:
-        pass
+        if self._device is not None:
+            self._device.shutdown(wait=True)
+            self._device = None

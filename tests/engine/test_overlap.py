@@ -5,9 +5,10 @@
   preemption, chunked prefill, prefix caching, n > 1, stop tokens and max_tokens; and the
   two-micro-batch schedule (steps in flight on the device while the host schedules) gives the
   same tokens as the synchronous one, also with the real model.
-- Overlap: with the core in its own process, the front end's output processing of step N runs
-  while the core runs step N+1: with device time D and front-end time H per step, a run takes
-  about N * max(D, H), not N * (D + H) as with the core in-process (asserted with wide margins).
+- Overlap: with the core in its own process, or with async scheduling in one process, the front
+  end's output processing of step N runs while the device runs step N+1: with device time D and
+  front-end time H per step, a run takes about N * max(D, H), not N * (D + H) as with the core
+  in-process and one step at a time (asserted with wide margins).
 """
 from __future__ import annotations
 
@@ -59,13 +60,16 @@ def workload():
     return reqs
 
 
-@pytest.mark.parametrize("batches", [1, 2])
+@pytest.mark.parametrize("batches", [1, 2, "async"])
 def test_fake_device_outputs_match_the_oracle(llama_ckpt, batches):
-    """A small cache (preemptions), a small token budget (chunked prefill), prefix caching."""
+    """A small cache (preemptions), a small token budget (chunked prefill), prefix caching; one
+    step at a time, two micro-batches in flight, or async scheduling (the same requests' next
+    step scheduled past the tokens in flight: stop tokens and max_tokens emit nothing extra)."""
     config = EngineConfig(model=llama_ckpt, max_model_len=128, max_num_batched_tokens=32, enable_chunked_prefill=True,
-                          max_num_seqs=16)
+                          max_num_seqs=16, async_scheduling=batches == "async")
     engine = LLMEngine(config, skip_tokenizer_init=True,
-                       executor_factory=SimulatedDevice(0.0, num_blocks=24, max_concurrent_batches=batches))
+                       executor_factory=SimulatedDevice(0.0, num_blocks=24,
+                                                        max_concurrent_batches=1 if batches == "async" else batches))
     try:
         reqs = workload()
         got = run(engine, reqs)
@@ -89,14 +93,16 @@ def test_two_batches_in_flight_match_the_synchronous_model(llama_ckpt):
              SamplingParams(temperature=0.0, max_tokens=8 + i, n=2 if i == 3 else 1, ignore_eos=True))
             for i in range(8)]
     results = []
-    for factory in (None, SimulatedDevice(0.0, real=True, max_concurrent_batches=2)):
-        engine = LLMEngine(EngineConfig(**kw), skip_tokenizer_init=True, executor_factory=factory)
+    for factory, async_scheduling in ((None, False), (SimulatedDevice(0.0, real=True, max_concurrent_batches=2), False),
+                                      (None, True)):
+        engine = LLMEngine(EngineConfig(**kw, async_scheduling=async_scheduling), skip_tokenizer_init=True,
+                           executor_factory=factory)
         try:
             results.append(run(engine, reqs))
-            assert engine.core.batch_depth == (1 if factory is None else 2)
+            assert engine.core.batch_depth == (1 if factory is None and not async_scheduling else 2)
         finally:
             engine.shutdown()
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]  # the last: async scheduling, the model on the step thread
 
 
 class _SlowOutputs:
@@ -118,10 +124,10 @@ def test_output_processing_overlaps_the_core_step(llama_ckpt):
     steps = 30
     reqs = [(f"s{i}", [i + 1, 2, 3], SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
             for i in range(4)]
-    config = EngineConfig(model=llama_ckpt, max_model_len=128)
     took = {}
-    for mp in (False, True):
-        engine = LLMEngine(config, skip_tokenizer_init=True, multiprocess=mp,
+    for mp in (False, True, "async"):  # "async": in this process, with async scheduling
+        config = EngineConfig(model=llama_ckpt, max_model_len=128, async_scheduling=mp == "async")
+        engine = LLMEngine(config, skip_tokenizer_init=True, multiprocess=mp is True,
                            executor_factory=SimulatedDevice(d, num_blocks=256))
         try:
             _SlowOutputs(engine, h)
@@ -134,3 +140,4 @@ def test_output_processing_overlaps_the_core_step(llama_ckpt):
     serial = steps * (d + h)
     assert took[False] >= 0.95 * serial  # in one process the two add up
     assert took[True] < 0.8 * serial, took  # about steps * max(d, h) with the core in its own process
+    assert took["async"] < 0.8 * serial, took  # and in one process when the next step is scheduled ahead

@@ -60,6 +60,36 @@ def test_failed_step_fails_its_requests_only_and_uncaches_their_blocks(llama_ckp
     engine.core.kv_cache_manager.pool.check_consistency()
 
 
+def test_async_scheduling_recovers_from_a_failed_step_in_flight(llama_ckpt):
+    """Async scheduling: a step fails while the next one (scheduled past its tokens) is in flight;
+    that one is redone, the failed one isolated: the same greedy tokens as an engine that never
+    failed, no block leaked."""
+    prompts = random_prompts((12, 20, 7), seed=7)
+    reference = LLM(model=llama_ckpt, kv_cache_memory=16 << 20).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    engine = LLMEngine(EngineConfig(model=llama_ckpt, kv_cache_memory=16 << 20, async_scheduling=True))
+    try:
+        failures: list = []
+        break_second_layer(engine, failures)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+        done, calls = {}, 0
+        while engine.has_unfinished_requests():
+            calls += 1
+            if calls == 3:
+                failures.append("once")  # a decode step, with the next one submitted behind it
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o
+        assert not failures  # the failure happened
+        assert [done[f"r{i}"].outputs[0].token_ids for i in range(3)] == [r.outputs[0].token_ids for r in reference]
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        engine.core.kv_cache_manager.pool.check_consistency()
+    finally:
+        engine.shutdown()
+
+
 def test_async_stream_raises_and_engine_keeps_serving(llama_ckpt):
     async def scenario():
         llm = AsyncLLM(EngineConfig(model=llama_ckpt, kv_cache_memory=16 << 20), multiprocess=False)  # layer patched
