@@ -139,6 +139,7 @@ def verify_and_update(runner, inputs, hidden: torch.Tensor, drafts: dict[str, li
         emitted = row[: row.index(-1)] if -1 in row else row
         st = states[i]
         st.token_ids.extend(emitted)
+        runner.batch.append_tokens(st.row, emitted)
         tokens[i] = emitted
         num_drafts[i] = kk
         st.num_computed_tokens = seq_lens[i] - kk + len(emitted) - 1  # rejected drafts are not computed

@@ -63,24 +63,64 @@ class BlockTable:
 
 
 class InputBatch:
-    """What the runner keeps per row across steps: the BlockTable, and the per-row sampling facts
-    decided once when a request joins (``plain_greedy``: sample.metadata.is_plain_greedy), so a
-    step's metadata is a gather over its rows, not a pass over their parameters."""
+    """What the runner keeps per row across steps: the BlockTable; every request's token ids (one
+    int32 array, a row each, mirroring its CachedRequestState's list: a step's input ids are one
+    gather at the step's (row, position) pairs, and its sampled ids one scatter); and the per-row
+    sampling facts decided once when a request joins (``plain_greedy``:
+    sample.metadata.is_plain_greedy), so a step's metadata is a gather over its rows, not a pass
+    over their parameters. Rows follow the BlockTable's (they grow with it); the token width
+    grows by doubling when a sequence needs more."""
 
-    def __init__(self, num_rows: int = 64) -> None:
+    def __init__(self, num_rows: int = 64, width: int = 256) -> None:
         self.block_table = BlockTable(num_rows)
         self.plain_greedy = np.zeros(num_rows, dtype=bool)
+        self.token_ids = np.zeros((num_rows, width), dtype=np.int32)
+        self.num_tokens = np.zeros(num_rows, dtype=np.int64)
 
-    def add(self, block_ids: list[int], plain_greedy: bool) -> int:
+    def add(self, block_ids: list[int], plain_greedy: bool, token_ids: list[int] = ()) -> int:
         row = self.block_table.add(block_ids)
-        if row >= len(self.plain_greedy):
-            self.plain_greedy = np.resize(self.plain_greedy, len(self.block_table.lens))
+        rows = len(self.block_table.lens)
+        if rows > len(self.plain_greedy):
+            self.plain_greedy = np.resize(self.plain_greedy, rows)
+            self.token_ids = np.concatenate([self.token_ids, np.zeros_like(self.token_ids)])[:rows]
+            self.num_tokens = np.concatenate([self.num_tokens, np.zeros_like(self.num_tokens)])[:rows]
         self.plain_greedy[row] = plain_greedy
+        self.num_tokens[row] = 0
+        self.append_tokens(row, token_ids)
         return row
 
     def remove(self, row: int) -> None:
         self.block_table.remove(row)
         self.plain_greedy[row] = False
+        self.num_tokens[row] = 0
+
+    def fit_width(self, width: int) -> None:
+        """Room for ``width`` tokens in every row."""
+        if width > self.token_ids.shape[1]:
+            w = self.token_ids.shape[1]
+            while w < width:
+                w *= 2
+            self.token_ids = np.pad(self.token_ids, ((0, 0), (0, w - self.token_ids.shape[1])))
+
+    def append_tokens(self, row: int, token_ids) -> None:
+        n = int(self.num_tokens[row])
+        self.write_tokens(row, n, token_ids)
+        self.num_tokens[row] = n + len(token_ids)
+
+    def write_tokens(self, row: int, start: int, token_ids) -> None:
+        """Tokens at positions ``start...`` of a row without counting them (speculative drafts,
+        read by this step's gather and overwritten by what is kept)."""
+        end = start + len(token_ids)
+        self.fit_width(end)
+        self.token_ids[row, start:end] = token_ids
+
+    def append_sampled(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """One token appended to each of ``rows`` (distinct)."""
+        n = self.num_tokens[rows]
+        if len(n):
+            self.fit_width(int(n.max()) + 1)
+        self.token_ids[rows, n] = token_ids
+        self.num_tokens[rows] = n + 1
 
 
 @dataclass

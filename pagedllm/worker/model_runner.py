@@ -74,6 +74,9 @@ class ModelRunner:
         # Seeded generators outlive preemption (the worker forgets a preempted request's state,
         # but its random stream must continue where it stopped).
         self.generators: dict[str, torch.Generator] = {}
+        # held requests that are beams of a beam search (scored, not sampled), and that want prompt
+        # logprobs: a step without any skips their per-row passes
+        self._num_beam_rows = self._num_prompt_logprob_rows = 0
         self.num_forward_tokens = 0
         self.lora = plugins.lora
         self.kv_tier = plugins.kv_tier
@@ -102,8 +105,10 @@ class ModelRunner:
         if self._ends_at_stage:  # the next stage has the hidden states now
             self._update_states(inputs, [])
             return ModelRunnerOutput(inputs.req_ids, [[] for _ in inputs.req_ids], **tier)
-        prompt_logprobs = self._prompt_logprobs(inputs, hidden)  # before the states grow
-        beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler)  # takes the beam rows out of sampling
+        # before the states grow
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden) if self._num_prompt_logprob_rows else {}
+        # takes the beam rows out of sampling
+        beams = score_beam_rows(self.model, inputs, hidden, self.is_sampler) if self._num_beam_rows else {}
         num_drafts = None
         if drafts is not None:  # speculative decoding: every drafted position verified at once
             sampled_lists, logprobs, num_drafts = self.spec.verify(self, inputs, hidden, drafts, draft_probs)
@@ -130,6 +135,7 @@ class ModelRunner:
             st = self.requests.get(rid)
             if st is not None:
                 st.token_ids.extend(toks)
+                self.batch.append_tokens(st.row, toks)
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
@@ -154,7 +160,7 @@ class ModelRunner:
                 num_prompt_tokens=nr.num_prompt_tokens,
                 sampling_params=nr.sampling_params,
                 table=self.block_table,
-                row=self.batch.add(nr.block_ids, is_plain_greedy(nr.sampling_params) and nr.beam is None),
+                row=self.batch.add(nr.block_ids, is_plain_greedy(nr.sampling_params) and nr.beam is None, nr.token_ids),
                 num_computed_tokens=nr.num_computed_tokens,
                 generator=gen,
                 beam=nr.beam,
@@ -162,6 +168,8 @@ class ModelRunner:
             )
             if nr.mm_features and self.encoder_cache is not None:
                 self.encoder_cache.add(nr.req_id, nr.mm_features)
+            self._num_beam_rows += nr.beam is not None
+            self._num_prompt_logprob_rows += nr.sampling_params.prompt_logprobs is not None
         table = self.block_table
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
@@ -173,6 +181,8 @@ class ModelRunner:
         st = self.requests.pop(req_id, None)
         if st is not None:
             self.batch.remove(st.row)
+            self._num_beam_rows -= st.beam is not None
+            self._num_prompt_logprob_rows -= st.sampling_params.prompt_logprobs is not None
         if self.encoder_cache is not None:
             self.encoder_cache.drop(req_id)
 
@@ -181,8 +191,9 @@ class ModelRunner:
         """``drafts``: speculative tokens per request, run after its last token (their reserved
         slots beyond the drafts stay unused)."""
         req_ids = list(so.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
-        n_sched = np.fromiter((so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        requests, batch = self.requests, self.batch
+        states = [requests[r] for r in req_ids]
+        n_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         if so.num_spec_slots:  # reserved draft slots beyond the drafts (all of them without drafts) stay unused
             d = drafts or {}
             n_sched -= np.fromiter((so.num_spec_slots.get(r, 0) - len(d.get(r, ())) for r in req_ids),
@@ -193,21 +204,21 @@ class ModelRunner:
         np.cumsum(n_sched, out=qsl[1:])
         total = int(qsl[-1])
 
-        input_ids: list[int] = []
-        for s, a, n in zip(states, starts.tolist(), n_sched.tolist()):
-            input_ids.extend(s.token_ids[a : a + n])
-            if drafts:
-                input_ids.extend(drafts.get(s.req_id, ()))
+        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        if drafts:  # run after the request's last token: written where the gather reads them (not counted)
+            for s in states:
+                d = drafts.get(s.req_id)
+                if d:
+                    batch.write_tokens(s.row, len(s.token_ids), d)
         req_of_token = np.repeat(np.arange(len(req_ids)), n_sched)
         positions = np.arange(total) - qsl[:-1][req_of_token] + starts[req_of_token]
-        rows = np.fromiter((s.row for s in states), dtype=np.int64, count=len(states))
+        input_ids = batch.token_ids[rows[req_of_token], positions]  # the persistent token rows: one gather
         block_table = self.block_table.gather(rows)
         bs = self.block_size
         slots = block_table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
 
         # Rows that end at the request's last known token produce a sample.
-        num_tokens_now = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=len(states))
-        sample_rows = np.nonzero(seq_lens >= num_tokens_now)[0]
+        sample_rows = np.nonzero(seq_lens >= batch.num_tokens[rows])[0]
         logits_indices = qsl[1:][sample_rows] - 1
 
         dev = self.device
@@ -220,7 +231,7 @@ class ModelRunner:
             num_scheduled=n_sched,
             seq_lens=seq_lens,
             query_start_loc=qsl,
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(dev),
             positions=torch.from_numpy(positions).to(dev),
             attn_metadata=AttentionMetadata.from_host(qsl, seq_lens, block_table, slots, dev),
             sample_rows=sample_rows,
@@ -243,13 +254,13 @@ class ModelRunner:
         if not len(rows):
             return [], {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # a collective under TP: every rank
-        sample_states = [inputs.states[i] for i in rows]
         out: Optional[SamplerOutput] = None
+        sample_states: list = []
         if self.is_sampler:
-            if self.batch.plain_greedy[inputs.rows[rows]].all():  # the usual batch: nothing to build per row
-                md = greedy_metadata()
-            else:
-                md = build_sampling_metadata(sample_states, self.vocab_size, self.device)
+            plain = self.batch.plain_greedy[inputs.rows[rows]].all()  # the usual batch: nothing to build per row
+            if not plain or grammar is not None:
+                sample_states = [inputs.states[i] for i in rows]
+            md = greedy_metadata() if plain else build_sampling_metadata(sample_states, self.vocab_size, self.device)
             if grammar is not None:
                 self._attach_grammar(md, sample_states, grammar)
             out = self.sampler(logits, md)
@@ -304,12 +315,20 @@ class ModelRunner:
     def _update_states(self, inputs: StepInputs, sampled: list[int]) -> list[list[int]]:
         """Append the sampled ids (pipeline parallel: they come back with a later step),
         advance num_computed_tokens; the sampled ids per batch row."""
-        sampled_lists: list[list[int]] = [[] for _ in inputs.req_ids]
-        states = inputs.states
-        for tok, i in zip(sampled, inputs.sample_rows.tolist()):
+        states, rows = inputs.states, inputs.sample_rows
+        if len(rows) == len(states) == len(sampled):  # every row sampled (decodes, last prefill chunks): the usual step
+            sampled_lists = [[tok] for tok in sampled]
             if self.pp is None:
-                states[i].token_ids.append(tok)
-            sampled_lists[i] = [tok]
+                for st, tok in zip(states, sampled):
+                    st.token_ids.append(tok)
+        else:
+            sampled_lists = [[] for _ in states]
+            for tok, i in zip(sampled, rows.tolist()):
+                if self.pp is None:
+                    states[i].token_ids.append(tok)
+                sampled_lists[i] = [tok]
+        if self.pp is None and len(sampled):
+            self.batch.append_sampled(inputs.rows[rows], np.fromiter(sampled, dtype=np.int32, count=len(sampled)))
         for st, n in zip(states, inputs.seq_lens.tolist()):
             st.num_computed_tokens = n
         return sampled_lists

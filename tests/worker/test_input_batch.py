@@ -84,3 +84,42 @@ def test_plain_greedy_rows_build_the_greedy_metadata():
     rows = [_Row(sp.with_eos([2]), [5, 6, 7, 8]) for sp in PLAIN]
     full = build_sampling_metadata(rows, 64, torch.device("cpu"))
     assert dataclasses.asdict(full) == dataclasses.asdict(greedy_metadata())
+
+
+token_ops = st.lists(st.tuples(st.sampled_from(["add", "append", "sampled", "draft", "remove"]), st.integers(0, 40),
+                               st.lists(st.integers(0, 2 ** 31 - 1), max_size=12)), max_size=30)
+
+
+@settings(max_examples=40, deadline=None)
+@given(token_ops)
+def test_token_rows_mirror_the_request_lists(script):
+    """The token rows a step's input ids are gathered from hold exactly each request's tokens
+    (prompt, appended ids, one sampled id per row at a time), growing past their first size;
+    drafts written beyond a row's tokens are read by the gather but never counted."""
+    batch = InputBatch(num_rows=1, width=2)
+    held: dict[int, list[int]] = {}
+    for op, pick, ids in script:
+        rows = sorted(held)
+        if op == "add" or not rows:
+            held[batch.add([1], plain_greedy=False, token_ids=ids)] = list(ids)
+            continue
+        row = rows[pick % len(rows)]
+        if op == "append":
+            batch.append_tokens(row, ids)
+            held[row] += ids
+        elif op == "sampled":  # one id for each of several distinct rows at once
+            some = rows[: 1 + pick % len(rows)]
+            toks = [(pick * 7 + r) % 1000 for r in some]
+            batch.append_sampled(np.array(some, dtype=np.int64), np.array(toks, dtype=np.int32))
+            for r, t in zip(some, toks):
+                held[r].append(t)
+        elif op == "draft":
+            batch.write_tokens(row, len(held[row]), ids)
+            n = len(held[row])
+            assert batch.token_ids[row, n:n + len(ids)].tolist() == ids
+        else:
+            batch.remove(row)
+            del held[row]
+    for row, toks in held.items():
+        assert batch.num_tokens[row] == len(toks)
+        assert batch.token_ids[row, :len(toks)].tolist() == toks
