@@ -62,6 +62,22 @@ class _Stream:
             pass
 
 
+def _put_all(items: list) -> None:
+    """On the event loop: one step's outputs into their streams' queues."""
+    for q, item in items:
+        q.put_nowait(item)
+
+
+def _deliver(batch: dict) -> None:
+    """One step's outputs, one ``call_soon_threadsafe`` per event loop (not one per stream: at
+    saturation hundreds of wake-ups a step kept the loop, and /health with it, from its sockets)."""
+    for loop, items in batch.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # loop closed: nobody listens anymore
+            pass
+
+
 class AsyncLLM:
     """``multiprocess`` (when it builds the engine): the core in its own process; default on
     unless PAGEDLLM_ENGINE_CORE_PROCESS=0."""
@@ -258,6 +274,7 @@ class AsyncLLM:
                 self.stats = core_outputs.stats or self.stats
                 if core_outputs.timing is not None:  # a core step ran
                     self._notify_step(core_outputs.timing, time.perf_counter() - t0)
+                batch: dict = {}  # event loop -> [(stream queue, item)]
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if out.finished:
@@ -265,12 +282,12 @@ class AsyncLLM:
                         self._release(out.request_id)
                         self._notify_finished(out)
                     if stream is not None:
+                        item = out
                         if out.finished and any(c.finish_reason == "error" for c in out.outputs):
-                            stream.put(RequestFailedError(
-                                f"request {out.request_id} failed inside the engine (see the server log); "
-                                "other requests are unaffected"))
-                        else:
-                            stream.put(out)
+                            item = RequestFailedError(f"request {out.request_id} failed inside the engine (see the "
+                                                      "server log); other requests are unaffected")
+                        batch.setdefault(stream.loop, []).append((stream.queue, item))
+                _deliver(batch)
         except BaseException as e:  # the engine is broken: fail every stream, fast
             logger.exception("engine loop died")
             self.dead_error = e

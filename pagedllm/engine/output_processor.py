@@ -47,6 +47,7 @@ class RequestState:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     scheduled_time: Optional[float] = None
+    streams: bool = False  # its parent returns an output every step (not only when all its children end)
 
     @property
     def finished(self) -> bool:
@@ -102,7 +103,8 @@ class OutputProcessor:
             detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, cp.skip_special_tokens)
                      if self.tokenizer is not None and cp.detokenize else None)
             self.add_request(RequestState(cid, req.request_id, i, prompt, req.prompt_token_ids, cp, detok,
-                                          arrival_time=req.arrival_time))
+                                          arrival_time=req.arrival_time,
+                                          streams=output_kind != OUTPUT_FINAL and best_of is None))
         self.parents[req.request_id] = ParentRequest(req.request_id, prompt, req.prompt_token_ids, child_ids,
                                                      output_kind, best_of=best_of)
 
@@ -146,25 +148,27 @@ class OutputProcessor:
         stop string, an abort the core has not applied yet) are dropped. A raise while processing
         one request's output (detokenizing, stop strings, logprob dicts, building its output)
         fails that request only (all its children), with finish reason "error"."""
-        touched: dict[str, None] = {}
+        touched: dict[str, None] = {}  # parents with an output to build this step
         res = StepResults([], [], [])
+        states, beams, now = self.states, self.beams.requests, time.monotonic()
         for out in outputs:
-            is_beam = out.req_id in self.beams
+            is_beam = bool(beams) and out.req_id in beams
             try:
                 if is_beam:  # a beam search ended: its beam_width best sequences
                     res.outputs.append(self.beams.finish(out))
                     continue
-                st = self.states.get(out.req_id)
-                if st is None or st.finished:
+                st = states.get(out.req_id)
+                if st is None or st.finish_reason is not None:
                     continue
-                st, stopped_by_string = self.process(out)
+                st, stopped_by_string = self.process(out, now)
                 if out.finish_reason == "error" and len(self.parents[st.parent_id].child_ids) > 1:
                     self._fail_children(st.parent_id, res)  # its siblings stop too: the request has failed
                 if st.scheduled_time is None:  # start of the step that first produced output (queue time metric)
                     st.scheduled_time = step_start
                 if stopped_by_string:
                     res.stopped.append(out.req_id)
-                touched[st.parent_id] = None
+                if st.streams or st.finish_reason is not None:  # else its parent has nothing to return yet
+                    touched[st.parent_id] = None
             except Exception:
                 logger.exception("request %s: processing its output failed; it finishes with \"error\"", out.req_id)
                 if is_beam:
