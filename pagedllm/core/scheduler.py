@@ -371,10 +371,11 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens and token in sp.all_stop_token_ids:
+        num_output = len(req.output_token_ids)  # (once per row per step: no property calls)
+        if token in sp.all_stop_token_ids and num_output >= sp.min_tokens:
             req.stop_reason = None if token not in sp.stop_token_ids else token
             return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
+        if num_output >= req.max_tokens or len(req.all_token_ids) >= self.limits.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

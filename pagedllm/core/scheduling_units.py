@@ -101,7 +101,7 @@ class RequestUnit:
     def schedule_running(self, sched, plan: StepPlan) -> bool:
         req = self.request
         pending = req.num_pending  # async scheduling: tokens of steps in flight, scheduled past as placeholders
-        num_new = sched.cap(req.num_tokens + pending - req.num_computed_tokens, plan.budget)
+        num_new = sched.cap(len(req.all_token_ids) + pending - req.num_computed_tokens, plan.budget)
         if num_new <= 0 or not sched.fits_step(self):
             return True
         if pending and (req.num_output_tokens + pending >= req.max_tokens
@@ -156,14 +156,20 @@ class RequestUnit:
             if prompt_lp is not None:
                 outputs.append(EngineCoreOutput(rid, [], prompt_logprobs=prompt_lp))
             return
-        new_ids: list[int] = []
-        status: Optional[RequestStatus] = None
-        for tok in sampled:
-            req.append_output_token(tok)
-            new_ids.append(tok)
+        if len(sampled) == 1:  # the usual row: one token (the runner's list is not changed after the step)
+            new_ids = sampled
+            tok = sampled[0]
+            req.output_token_ids.append(tok)
+            req.all_token_ids.append(tok)
             status = sched.check_stop(req, tok)
-            if status is not None:
-                break
+        else:
+            new_ids, status = [], None
+            for tok in sampled:
+                req.append_output_token(tok)
+                new_ids.append(tok)
+                status = sched.check_stop(req, tok)
+                if status is not None:
+                    break
         if status is not None:
             sched.finish(req, status)
         outputs.append(EngineCoreOutput(rid, new_ids, finish_reason=finish_reason_of(status) if status is not None
