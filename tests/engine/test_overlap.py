@@ -105,6 +105,32 @@ def test_two_batches_in_flight_match_the_synchronous_model(llama_ckpt):
     assert results[0] == results[1] == results[2]  # the last: async scheduling, the model on the step thread
 
 
+def test_async_scheduling_goes_one_step_at_a_time_beside_a_beam_search(llama_ckpt):
+    """A beam search (its next step depends on the tokens: beams fork) added while plain requests
+    overlap: the steps in flight drain, the steps go one at a time while it runs; every output is
+    the synchronous engine's."""
+    from pagedllm.engine.beam_search import BeamSearchParams
+
+    kw = dict(model=llama_ckpt, dtype="float32", kv_cache_memory=4 << 20, max_model_len=128)
+    plain = [(f"g{i}", [(5 * i + j) % VOCAB for j in range(6 + i)],
+              SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)) for i in range(3)]
+    beam = [("b", [7, 8, 9, 10], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))]
+    results = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(EngineConfig(**kw, async_scheduling=async_scheduling), skip_tokenizer_init=True)
+        try:
+            for rid, prompt, sp in plain:
+                engine.add_request(rid, {"prompt_token_ids": prompt}, sp)
+            for _ in range(3):  # the plain requests run (overlapped with async scheduling) before the beams join
+                engine.step()
+            results.append(run(engine, beam))
+            stats = engine.get_stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+        finally:
+            engine.shutdown()
+    assert results[0] == results[1] and set(results[0]) == {"g0", "g1", "g2", "b"}
+
+
 class _SlowOutputs:
     """Front-end output processing that takes ``seconds`` per step (a stand-in for detokenising
     and streaming a large batch)."""
