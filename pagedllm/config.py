@@ -16,8 +16,9 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
 # KV cache storage (attention/kv_quant.py): "fp8" is an alias of "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
-# The KV offload tier's stores (worker/kv_tier/): "native" host memory, "disk" files.
-KV_OFFLOADING_BACKENDS = ("native", "disk")
+# The KV offload tier's stores (worker/kv_tier/): "native" host memory, "disk" files, "native+disk" host
+# memory spilling to files.
+KV_OFFLOADING_BACKENDS = ("native", "disk", "native+disk")
 
 
 def default_model_path() -> str:
@@ -171,7 +172,10 @@ class EngineConfig:
     # larger, slower store and loaded back on a prefix hit instead of recomputed. Off (None) by default.
     kv_offloading_size: Optional[float] = None  # GiB, summed over the tensor-parallel ranks (vLLM's meaning)
     kv_offloading_backend: str = "native"  # "native": host memory (pinned on GPU); "disk": files under kv_offload_dir
-    kv_offload_dir: Optional[str] = None  # the disk tier's directory (kv_offloading_backend "disk")
+    kv_offload_dir: Optional[str] = None  # the disk tier's directory (kv_offloading_backend "disk" / "native+disk")
+    # "native+disk": GiB of host memory (summed over the tensor-parallel ranks) in front of the disk tier
+    # (kv_offloading_size): the most recently stored blocks stay there, the least recently used spill to disk
+    kv_offload_host_size: Optional[float] = None
     # a directory whose image files prompts may name (a path or file:// URL; vLLM's --allowed-local-media-path);
     # None: no local files. Remote http(s) image URLs are never fetched.
     allowed_local_media_path: Optional[str] = None
@@ -205,8 +209,16 @@ class EngineConfig:
         if spec is not None and spec.method in ("draft_model", "eagle"):
             raise ValueError(f"kv_offloading_size: the KV offload tier does not keep a draft model's cache; "
                              f"speculative_config method {spec.method!r} is not supported with it yet (use 'ngram')")
-        if self.kv_offloading_backend == "disk" and not self.kv_offload_dir:
-            raise ValueError("kv_offloading_backend 'disk' needs kv_offload_dir (a directory for the block files)")
+        backend = self.kv_offloading_backend
+        if backend in ("disk", "native+disk") and not self.kv_offload_dir:
+            raise ValueError(f"kv_offloading_backend {backend!r} needs kv_offload_dir (a directory for the block files)")
+        host = self.kv_offload_host_size
+        if backend == "native+disk" and (host is None or not 0 < host < float("inf")):
+            raise ValueError("kv_offloading_backend 'native+disk' needs kv_offload_host_size, a positive number of GiB "
+                             f"of host memory in front of the disk tier, got {host}")
+        if backend != "native+disk" and host is not None:
+            raise ValueError(f"kv_offload_host_size is the host part of kv_offloading_backend 'native+disk', not "
+                             f"{backend!r}")
 
     def _check_pipeline_parallel(self) -> None:
         pp = self.pipeline_parallel_size

@@ -90,7 +90,11 @@ _HELP = {
                           "off)",
     "kv_offloading_backend": "the KV offload tier's store: native (host memory; pinned on GPU) or disk (files under "
                              "--kv-offload-dir)",
-    "kv_offload_dir": "directory of the disk KV offload tier's block files (--kv-offloading-backend disk)",
+    "kv_offload_dir": "directory of the disk KV offload tier's block files (--kv-offloading-backend disk or "
+                      "native+disk)",
+    "kv_offload_host_size": "--kv-offloading-backend native+disk: GiB of host memory (summed over tensor-parallel "
+                            "ranks) in front of the disk tier (--kv-offloading-size); its least recently used blocks "
+                            "spill to disk",
     "allowed_local_media_path": "a directory whose image files prompts may name (a path or file:// URL in an "
                                 "image_url part); default none. http(s) image URLs are always refused",
     "limit_mm_per_prompt": "most images a prompt may carry, as JSON: {\"image\": 4} (default 16)",

@@ -21,17 +21,20 @@ DEVICE_BLOCKS = 12  # 192 tokens: two 80-token prompts evict the first one's blo
 PROMPT_LEN, EXTRA_LEN = 80, 20
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 TIER_GIB = 4 / 1024  # 4 MiB: hundreds of the tiny models' blocks
+HOST_PART_GIB = 4 * 8192 / 2**30  # native+disk: 4 of the tiny llama's 8 KiB blocks in host memory, the rest spill
 DISK_LOGGER = "pagedllm.worker.kv_tier.block_files"
 
 
 def engine(path, tier=None, tmp=None, **kw):
-    """``tier``: None (off), "native" (host memory) or "disk" (files under ``tmp``)."""
+    """``tier``: None (off), "native" (host memory), "disk" (files under ``tmp``) or "native+disk"."""
     kw = dict(model=path, dtype="float32", block_size=BLOCK, num_gpu_blocks_override=DEVICE_BLOCKS,
               max_model_len=DEVICE_BLOCKS * BLOCK, **kw)
     if tier is not None:
         kw.update(kv_offloading_size=TIER_GIB, kv_offloading_backend=tier)
-        if tier == "disk":
+        if tier in ("disk", "native+disk"):
             kw["kv_offload_dir"] = str(tmp)
+        if tier == "native+disk":
+            kw["kv_offload_host_size"] = HOST_PART_GIB
     return LLM(**kw)
 
 
@@ -101,11 +104,28 @@ def assert_same_with_tier(on, off, prompts, **kw):
     return got
 
 
-@pytest.mark.parametrize("tier", ["native", "disk"])
-def test_prefix_hits_from_the_tier_match_recompute(request, llama_off, tier):
-    on = request.getfixturevalue("llama_host" if tier == "native" else "llama_disk")
+@pytest.mark.parametrize("tier", ["native", "disk", "native+disk"])
+def test_prefix_hits_from_the_tier_match_recompute(request, ckpts, llama_off, tier, tmp_path):
+    on = (request.getfixturevalue("llama_host") if tier == "native" else request.getfixturevalue("llama_disk")
+          if tier == "disk" else engine(ckpts["llama"], tier, tmp_path))
     assert_same_with_tier(on, llama_off, conversations(seed=1))
     assert tier_stats(on).failed_loads == 0
+    if tier == "native+disk":  # blocks came back from both parts
+        store = on.engine.core.executor.worker.kv_tier.store
+        assert store.spilled_blocks > 0 and store.disk.stats.loads > 0
+
+
+def test_native_disk_flags_are_checked(llama_ckpt, tmp_path):
+    from pagedllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="needs kv_offload_host_size"):
+        EngineConfig(model=llama_ckpt, kv_offloading_size=1, kv_offloading_backend="native+disk",
+                     kv_offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="needs kv_offload_dir"):
+        EngineConfig(model=llama_ckpt, kv_offloading_size=1, kv_offloading_backend="native+disk",
+                     kv_offload_host_size=0.5)
+    with pytest.raises(ValueError, match="kv_offload_host_size is the host part"):
+        EngineConfig(model=llama_ckpt, kv_offloading_size=1, kv_offload_host_size=0.5)
 
 
 def test_preemption_with_the_tier(llama_host, llama_off):

@@ -104,3 +104,28 @@ def test_needs_a_directory(tmp_path):
     with pytest.raises(ValueError, match="kv_offload_dir"):
         DiskTierStore(config(tmp_path, kv_offload_dir=None), layout, 2, rank=0)
 
+
+
+def test_host_part_spills_its_least_recently_used_blocks_to_disk(tmp_path):
+    from pagedllm.worker.kv_tier.host import HostTierStore
+    from pagedllm.worker.kv_tier.spill import SpillingTierStore
+
+    cs = caches(True)
+    layout = TierBlockLayout.of(cs)
+    store = SpillingTierStore(HostTierStore(layout, 2), DiskTierStore(config(tmp_path), layout, 6, rank=0))
+    store.put([0, 1], [b"a", b"b"], blocks(cs, [0, 1]))
+    assert len(store.disk.files) == 0  # all in host memory
+    out = layout.empty_batch(1)
+    assert store.get([0], [b"a"], out) == [True]  # "a" is now the most recently used
+    store.put([2], [b"c"], blocks(cs, [2]))  # spills "b"
+    assert store.spilled_blocks == 1 and b"b" in store.disk.files
+    store.put([3, 4, 5], [b"d", b"e", b"f"], blocks(cs, [3, 4, 5]))  # larger than the host part: "d" goes direct
+    assert b"d" in store.disk.files
+    out = layout.empty_batch(6)
+    ok = store.get([5, 1, 0, 3, 4, 2], [b"f", b"b", b"a", b"d", b"e", b"c"], out)
+    assert ok == [True] * 6
+    for o, want in zip(out, blocks(cs, [5, 1, 0, 3, 4, 2])):
+        assert torch.equal(o, want)
+    store.discard([1, 5])
+    assert store.get([1, 5], [b"b", b"f"], layout.empty_batch(2)) == [False, False]
+    store.close()
