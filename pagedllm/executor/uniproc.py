@@ -68,3 +68,6 @@ class UniprocExecutor:
         if self._device is not None:
             self._device.shutdown(wait=True)
             self._device = None
+        if self.worker.kv_tier is not None:  # the disk tier's writer thread and run directory
+            self.worker.kv_tier.close()
+            self.worker.kv_tier = None

@@ -113,6 +113,8 @@ def test_prefix_hits_from_the_tier_match_recompute(request, ckpts, llama_off, ti
     if tier == "native+disk":  # blocks came back from both parts
         store = on.engine.core.executor.worker.kv_tier.store
         assert store.spilled_blocks > 0 and store.disk.stats.loads > 0
+        on.shutdown()  # closes the tier: the engine's run directory goes with it
+        assert not os.path.exists(store.disk.files.root)
 
 
 def test_native_disk_flags_are_checked(llama_ckpt, tmp_path):
