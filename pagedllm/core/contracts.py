@@ -175,6 +175,7 @@ class EngineCoreOutput:
     prompt_logprobs: Optional[Logprobs] = None
     num_cached_tokens: int = 0
     beam_hypotheses: Optional[list[BeamHypothesis]] = None  # a finished beam search: best first
+    num_preemptions: int = 0  # times the request was preempted so far (vLLM's request_num_preemptions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +200,9 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
     kv_tier: Optional[KVTierStats] = None  # the KV offload tier's counters (None: no tier)
+    # Waiting requests the last step set aside (an admission constraint held them: LoRA slots, a
+    # batch in flight) rather than left for lack of room (vLLM's num_requests_waiting_by_reason).
+    num_waiting_deferred: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,7 @@ class Scheduler:
         self._failed: list[EngineCoreOutput] = []  # finished while scheduled, for take_failed()
         self.grammars = grammars
         self.num_preemptions = 0
+        self.num_waiting_deferred = 0  # waiting requests the last step set aside (SchedulerStats)
         self.num_scheduled_tokens_total = 0
         self.num_steps = 0
         self.num_batched_reqs_max = 0
@@ -151,6 +152,7 @@ class Scheduler:
             c.start_step(len(self.running), len(self.waiting))
         self.look_ahead.start_step(len(self.running))
         self._schedule_running(plan)
+        self.num_waiting_deferred = 0
         if not plan.num_preempted:  # memory is tight: admit nobody this step
             self._admit_waiting(plan)
         return self._close_step(plan)
@@ -199,6 +201,7 @@ class Scheduler:
             if verdict == SET_ASIDE:
                 set_aside.extend(self.waiting.popleft() for _ in unit.requests)
         self.waiting.extendleft(reversed(set_aside))
+        self.num_waiting_deferred = len(set_aside)
 
     def _run_unit(self, unit: SchedulingUnit, plan: StepPlan, call: Callable[["Scheduler", StepPlan], T]):
         """``call(self, plan)`` (the unit's schedule_running or admit). A raise there is that unit's
@@ -488,6 +491,7 @@ class Scheduler:
             num_scheduled_tokens_total=self.num_scheduled_tokens_total,
             num_steps=self.num_steps,
             num_batched_reqs_max=self.num_batched_reqs_max,
+            num_waiting_deferred=self.num_waiting_deferred,
             **{k: v for c in self.constraints for k, v in c.stats(self.running, self.waiting).items()},
             **self.look_ahead.stats(),
             kv_tier=self.kv.tier_stats(),

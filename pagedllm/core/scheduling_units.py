@@ -175,7 +175,8 @@ class RequestUnit:
         outputs.append(EngineCoreOutput(rid, new_ids, finish_reason=finish_reason_of(status) if status is not None
                                         else None, stop_reason=req.stop_reason,
                                         logprobs=out.logprobs.get(rid) if out.logprobs else None,
-                                        prompt_logprobs=prompt_lp, num_cached_tokens=max(req.num_cached_tokens, 0)))
+                                        prompt_logprobs=prompt_lp, num_cached_tokens=max(req.num_cached_tokens, 0),
+                                        num_preemptions=req.num_preemptions))
 
     def finish(self, sched, status: RequestStatus) -> Optional[EngineCoreOutput]:
         sched.finish(self.request, status)

@@ -105,6 +105,10 @@ class AsyncLLM:
         self.on_finished = None  # optional callback(RequestOutput) on the engine thread (metrics)
         self.on_step = None  # optional callback(stats, step_seconds) on the engine thread
         self.on_step_phases = None  # optional callback(StepTiming, output_seconds) per core step
+        # seconds between each request's consecutive outputs, gathered since the previous on_step
+        # (vLLM's inter-token latencies; the metrics read it in their on_step callback)
+        self.last_token_gaps: list[float] = []
+        self.engine.output_processor.take_token_gaps()  # starts collecting them
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -241,6 +245,7 @@ class AsyncLLM:
         """The step callbacks (a core in another process: its own step time); a failure there is
         logged, never the engine's."""
         try:
+            self.last_token_gaps = self.engine.output_processor.take_token_gaps()
             if self.on_step is not None:
                 self.on_step(self.stats, seconds if self.engine.client.in_process else timing.total)
             if self.on_step_phases is not None:

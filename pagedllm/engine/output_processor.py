@@ -43,6 +43,7 @@ class RequestState:
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    num_preemptions: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
@@ -55,6 +56,7 @@ class RequestState:
 
 
 OUTPUT_FINAL, OUTPUT_CUMULATIVE, OUTPUT_DELTA = "final", "cumulative", "delta"
+_MAX_TOKEN_GAPS = 1 << 16  # take_token_gaps' bound between reads
 logger = logging.getLogger(__name__)
 
 
@@ -83,6 +85,7 @@ class OutputProcessor:
         self.states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
         self.beams = BeamRequests(tokenizer, self)  # beam searches (one RequestOutput when each ends)
+        self._token_gaps: Optional[list[float]] = None  # seconds between a request's outputs, once asked for
 
     # ---- requests ---------------------------------------------------------------------------
     def __contains__(self, request_id: str) -> bool:
@@ -140,6 +143,13 @@ class OutputProcessor:
             ro = self._make_output(parent)  # removes the parent and its states
         self.drop(request_id)
         return ro
+
+    def take_token_gaps(self) -> list[float]:
+        """The gaps (seconds) between each request's consecutive outputs since the last call, one
+        per output after a request's first (vLLM's inter-token latencies). Collected from the
+        first call on; at most _MAX_TOKEN_GAPS are kept between calls."""
+        gaps, self._token_gaps = self._token_gaps or [], []
+        return gaps
 
     # ---- a step's outputs -------------------------------------------------------------------
     def process_outputs(self, outputs: list[EngineCoreOutput], step_start: float) -> StepResults:
@@ -234,6 +244,8 @@ class OutputProcessor:
                 "last_token_time": max((s.last_token_time for s in states if s.last_token_time), default=None),
                 "scheduled_time": min((s.scheduled_time for s in states if s.scheduled_time), default=None),
                 "num_generated_tokens": sum(len(s.token_ids) for s in states),
+                "max_tokens": first.params.max_tokens,
+                "num_preemptions": sum(s.num_preemptions for s in states),
             },
         )
         if finished:
@@ -272,6 +284,7 @@ class OutputProcessor:
         st = self.states[out.req_id]
         now = time.monotonic() if now is None else now
         st.num_cached_tokens = out.num_cached_tokens
+        st.num_preemptions = out.num_preemptions
         if out.prompt_logprobs is not None and st.prompt_logprobs is not None:
             for j, d in enumerate(self._logprob_dicts(out.prompt_logprobs)):
                 st.prompt_logprobs[1 + out.prompt_logprobs.start + j] = d
@@ -281,6 +294,8 @@ class OutputProcessor:
             return st, False
         if st.first_token_time is None:
             st.first_token_time = now
+        elif self._token_gaps is not None and len(self._token_gaps) < _MAX_TOKEN_GAPS:
+            self._token_gaps.append(now - st.last_token_time)
         st.last_token_time = now
         st.token_ids.extend(out.new_token_ids)
         if out.logprobs is not None and st.logprobs is not None:

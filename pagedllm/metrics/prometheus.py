@@ -2,8 +2,14 @@
 
 Fed by AsyncLLM's callbacks, which run on the engine thread: ``on_step(stats, seconds)`` after
 every step (gauges, and counters advanced by the difference to the previous SchedulerStats
-snapshot) and ``on_finished(RequestOutput)`` once per finished request (token counters and
-latency histograms). prometheus_client's metrics are thread-safe.
+snapshot, and the inter-token gaps the output processor measured since the last step) and
+``on_finished(RequestOutput)`` once per finished request (token counters and latency histograms).
+prometheus_client's metrics are thread-safe.
+
+The vLLM families carry vLLM's labels (``model_name``, ``engine``), types and buckets, checked
+against a live vLLM 0.32 (tests/entrypoints/test_vllm_metrics.py); ours alone (engine_steps,
+engine_step_seconds, engine_step_phase_seconds, engine_dead, kv_cache_capacity_tokens) keep
+``model_name`` only.
 """
 from __future__ import annotations
 
@@ -11,57 +17,84 @@ import threading
 import time
 from typing import Optional
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5, 5.0)
 _FINISH_REASONS = ("stop", "length", "abort", "error")
 _PHASES = ("schedule", "execute", "update", "output")
 _PHASE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                   2.5)
+# vLLM's label sets: every engine family is labelled by model and engine index (one engine per
+# server here: "0"; behind the data-parallel router each replica's series also get ``replica``).
+ENGINE_LABELS = ("model_name", "engine")
+_PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# cache_config_info: the labels vLLM's CacheConfig has that this engine can fill
+_CACHE_INFO_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "engine", "num_gpu_blocks")
+_SLEEP_STATES = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}  # no sleep mode: always awake
 
 
 class PrometheusMetrics:
-    def __init__(self, model_name: str, registry=None, prefix: str = "pagedllm") -> None:
-        """Metric names are ``PREFIX:name`` with vLLM's names and meanings: ``prefix="vllm"``
-        makes a vLLM dashboard work unchanged."""
+    def __init__(self, model_name: str, registry=None, prefix: str = "pagedllm", max_model_len: int = 2048) -> None:
+        """Metric names are ``PREFIX:name`` with vLLM's names, types, labels and buckets:
+        ``prefix="vllm"`` makes a vLLM dashboard work unchanged. The per-request histograms
+        (request_families.py) are made by ``attach`` (their token buckets go up to the engine's
+        max_model_len) or on the first finished request (``max_model_len``)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-        self.registry = registry if registry is not None else CollectorRegistry()
-        r, lbl = self.registry, ["model_name"]
+        if registry is None:  # prometheus_client's process_* / python_* families too, as vLLM's default registry
+            from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)
+            PlatformCollector(registry=registry)
+            GCCollector(registry=registry)
+        self.registry = registry
+        r, lbl, vals = self.registry, list(ENGINE_LABELS), (model_name, "0")
+        self._engine_values = vals
 
         def gauge(name, doc):
-            return Gauge(name, doc, lbl, registry=r).labels(model_name)
+            return Gauge(name, doc, lbl, registry=r).labels(*vals)
 
         def counter(name, doc):
-            return Counter(name, doc, lbl, registry=r).labels(model_name)
+            return Counter(name, doc, lbl, registry=r).labels(*vals)
 
-        def hist(name, doc, buckets):
-            return Histogram(name, doc, lbl, buckets=buckets, registry=r).labels(model_name)
+        def by(metric_cls, name, doc, label, values, **kw):
+            m = metric_cls(name, doc, lbl + [label], registry=r, **kw)
+            return m, {v: m.labels(*vals, v) for v in values}
 
-        from pagedllm.metrics.request_families import RequestFamilies
-
-        self.families = RequestFamilies(r, prefix, model_name)  # vLLM's per-request families
+        self.families = None  # RequestFamilies, vLLM's per-request histograms
+        self._max_model_len = max_model_len
         self.num_running = gauge(f"{prefix}:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge(f"{prefix}:num_requests_waiting", "Requests waiting to be scheduled.")
+        _, self._waiting_by = by(Gauge, f"{prefix}:num_requests_waiting_by_reason", "Waiting requests by reason: "
+                                 "'capacity' = waiting for room in the batch or the KV cache; 'deferred' = set aside "
+                                 "by an admission constraint (LoRA slots, a batch in flight). Sums to "
+                                 "num_requests_waiting.", "reason", ("capacity", "deferred"))
+        _, sleep = by(Gauge, f"{prefix}:engine_sleep_state", "Engine sleep state (this engine has no sleep mode: "
+                      "awake is always 1).", "sleep_state", tuple(_SLEEP_STATES))
+        for state, value in _SLEEP_STATES.items():
+            sleep[state].set(value)
         self.kv_usage = gauge(f"{prefix}:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
         self.prefix_queries = counter(f"{prefix}:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter(f"{prefix}:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter(f"{prefix}:num_preemptions", "Requests preempted for lack of KV cache blocks.")
         self.prompt_tokens = counter(f"{prefix}:prompt_tokens", "Prompt tokens of finished requests.")
+        _, self._prompt_by_source = by(Counter, f"{prefix}:prompt_tokens_by_source", "Prompt tokens of finished "
+                                       "requests by source: computed here, found in the prefix cache, or moved in "
+                                       "by a KV transfer (none here).", "source", _PROMPT_SOURCES)
+        self.cached_tokens = counter(f"{prefix}:prompt_tokens_cached", "Prompt tokens of finished requests served "
+                                     "from the prefix cache.")
+        _, self._cached_by_source = by(Counter, f"{prefix}:prompt_tokens_cached_by_source", "Prefix-cache hit "
+                                       "tokens by the cache tier that supplied them (device: the KV cache "
+                                       "itself).", "source", ("device",))
         self.generation_tokens = counter(f"{prefix}:generation_tokens", "Tokens generated by finished requests.")
-        self.steps = counter(f"{prefix}:engine_steps", "Engine steps run.")
-        self.success = Counter(f"{prefix}:request_success", "Finished output sequences (n per request), by reason.",
-                               ["model_name", "finished_reason"], registry=r)
-        self._success = {reason: self.success.labels(model_name, reason) for reason in _FINISH_REASONS}
+        self.success, self._success = by(Counter, f"{prefix}:request_success", "Finished output sequences (n per "
+                                         "request), by reason.", "finished_reason", _FINISH_REASONS)
         self._model_name = model_name
-        self.ttft = hist(f"{prefix}:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.tpot = hist(f"{prefix}:time_per_output_token_seconds", "Mean time per output token after the first.",
-                         _TPOT_BUCKETS)
-        self.e2e = hist(f"{prefix}:e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
-        self.queue_time = hist(f"{prefix}:request_queue_time_seconds", "Arrival to first scheduled step.",
-                               _LATENCY_BUCKETS)
-        self.step_time = hist(f"{prefix}:engine_step_seconds", "Duration of one engine step.", _TPOT_BUCKETS)
+        # ours, not vLLM's: the engine loop's steps and their time
+        self.steps = Counter(f"{prefix}:engine_steps", "Engine steps run.", ["model_name"],
+                             registry=r).labels(model_name)
+        self.step_time = Histogram(f"{prefix}:engine_step_seconds", "Duration of one engine step.", ["model_name"],
+                                   buckets=_STEP_BUCKETS, registry=r).labels(model_name)
         # issue 31: where a step's time goes (engine/core.py's StepTiming, plus the front end's
         # output processing), one series per phase
         self.step_phase = Histogram(f"{prefix}:engine_step_phase_seconds", "Time of one engine step spent in each "
@@ -69,16 +102,25 @@ class PrometheusMetrics:
                                     "output (detokenize, stop strings, results).", ["model_name", "phase"],
                                     buckets=_PHASE_BUCKETS, registry=r)
         self._phases = {p: self.step_phase.labels(model_name, p) for p in _PHASES}
-        self.engine_dead = gauge(f"{prefix}:engine_dead", "1 once the engine has stopped after a failure "
-                                                           "(every request then fails; the other figures are frozen).")
+        self.engine_dead = Gauge(f"{prefix}:engine_dead", "1 once the engine has stopped after a failure (every "
+                                 "request then fails; the other figures are frozen).", ["model_name"],
+                                 registry=r).labels(model_name)
         self._lock = threading.Lock()
         self._last = None  # previous SchedulerStats, for counter deltas
         self._spec = None  # speculative decoding counters (metrics/spec_decode.py), made when drafts first run
-        self._spec_prefix = prefix
         self._kv_offload = None  # KV offload tier metrics, made when the engine has a tier
         self._prefix = prefix
         self._lora_info = None  # vLLM's lora_requests_info, when the engine serves LoRA adapters
         self._lora_labels = None
+        self._gaps_source = None  # the AsyncLLM whose last_token_gaps (inter-token latencies) on_step reads
+
+    def _request_families(self):
+        if self.families is None:
+            from pagedllm.metrics.request_families import RequestFamilies
+
+            self.families = RequestFamilies(self.registry, self._prefix, ENGINE_LABELS, self._engine_values,
+                                            self._max_model_len)
+        return self.families
 
     # ---- feeding ----------------------------------------------------------------------------
     def attach(self, engine) -> None:
@@ -86,6 +128,14 @@ class PrometheusMetrics:
         one engine) and take its current snapshot."""
         from pagedllm.metrics.engine_callbacks import chain_engine_callbacks
 
+        max_model_len = getattr(engine, "max_model_len", None)
+        if self.families is None and isinstance(max_model_len, int):
+            self._max_model_len = max_model_len
+        families = self._request_families()  # before the callbacks can run on the engine thread
+        if getattr(engine, "stats", None) is not None:
+            families.on_step(engine.stats)  # the step-token baseline (iteration_tokens_total)
+        if hasattr(engine, "last_token_gaps"):  # AsyncLLM: the gaps between a request's outputs (ITL)
+            self._gaps_source = engine
         chain_engine_callbacks(engine, self.on_step, self.on_finished)
         if hasattr(engine, "on_step_phases"):  # AsyncLLM: per-phase step timings (test doubles may lack it)
             prev_phases = engine.on_step_phases
@@ -106,23 +156,27 @@ class PrometheusMetrics:
             self._max_lora = str(config.max_loras)
         stats = getattr(engine, "stats", None)
         if config is not None and stats is not None:
-            self.set_kv_cache_info(getattr(config, "kv_cache_dtype", "auto"), config.block_size, stats.num_total_blocks)
+            self.set_kv_cache_info(getattr(config, "kv_cache_dtype", "auto"), config.block_size, stats.num_total_blocks,
+                                   bool(getattr(config, "enable_prefix_caching", False)))
         self.update_stats(engine.stats)
 
-    def set_kv_cache_info(self, kv_cache_dtype: str, block_size: int, num_blocks: int) -> None:
+    def set_kv_cache_info(self, kv_cache_dtype: str, block_size: int, num_blocks: int,
+                          enable_prefix_caching: bool = False) -> None:
         """``kv_cache_capacity_tokens`` (blocks x block size) and ``cache_config_info`` (value 1; the
-        KV cache dtype, block size and block count as labels, like vLLM's)."""
+        KV cache configuration as labels, under vLLM's CacheConfig field names)."""
         from prometheus_client import Gauge
 
         if getattr(self, "_kv_capacity", None) is None:
             self._kv_capacity = Gauge(f"{self._prefix}:kv_cache_capacity_tokens", "Tokens the KV cache holds "
                                       "(blocks x block size; 8-bit kv_cache_dtype holds ~2x).", ["model_name"],
                                       registry=self.registry).labels(self._model_name)
-            self._kv_info = Gauge(f"{self._prefix}:cache_config_info", "KV cache configuration (value 1).",
-                                  ["model_name", "cache_dtype", "block_size", "num_blocks"], registry=self.registry)
+            self._kv_info = Gauge(f"{self._prefix}:cache_config_info", "Information of the KV cache configuration "
+                                  "(value 1).", list(_CACHE_INFO_LABELS), registry=self.registry)
         self._kv_capacity.set(num_blocks * block_size)
         self._kv_info.clear()
-        self._kv_info.labels(self._model_name, kv_cache_dtype, str(block_size), str(num_blocks)).set(1)
+        self._kv_info.labels(block_size=str(block_size), cache_dtype=kv_cache_dtype,
+                             enable_prefix_caching=str(enable_prefix_caching), engine="0",
+                             num_gpu_blocks=str(num_blocks)).set(1)
 
     def update_stats(self, stats) -> None:
         if stats is None:
@@ -130,6 +184,9 @@ class PrometheusMetrics:
         with self._lock:
             self.num_running.set(stats.num_running)
             self.num_waiting.set(stats.num_waiting)
+            deferred = min(stats.num_waiting, stats.num_waiting_deferred)
+            self._waiting_by["capacity"].set(stats.num_waiting - deferred)
+            self._waiting_by["deferred"].set(deferred)
             self.kv_usage.set(stats.kv_cache_usage)
             if self._lora_info is not None:
                 labels = (self._max_lora, ",".join(stats.waiting_loras), ",".join(stats.running_loras))
@@ -138,20 +195,20 @@ class PrometheusMetrics:
                     self._lora_info.labels(*labels).set(time.time())
                     self._lora_labels = labels
             last = self._last
-            if last is not None:
-                self.prefix_queries.inc(max(0, stats.prefix_cache_queries - last.prefix_cache_queries))
-                self.prefix_hits.inc(max(0, stats.prefix_cache_hits - last.prefix_cache_hits))
-                self.preemptions.inc(max(0, stats.num_preemptions - last.num_preemptions))
-                self.steps.inc(max(0, stats.num_steps - last.num_steps))
-            else:
-                self.prefix_queries.inc(stats.prefix_cache_queries)
-                self.prefix_hits.inc(stats.prefix_cache_hits)
-                self.preemptions.inc(stats.num_preemptions)
-                self.steps.inc(stats.num_steps)
+
+            def delta(name):
+                return max(0, getattr(stats, name) - (getattr(last, name) if last is not None else 0))
+
+            hits = delta("prefix_cache_hits")
+            self.prefix_queries.inc(delta("prefix_cache_queries"))
+            self.prefix_hits.inc(hits)
+            self._cached_by_source["device"].inc(hits)
+            self.preemptions.inc(delta("num_preemptions"))
+            self.steps.inc(delta("num_steps"))
             if self._spec is None and stats.spec_num_drafts:
                 from pagedllm.metrics.spec_decode import SpecDecodeMetrics
 
-                self._spec = SpecDecodeMetrics(self.registry, self._spec_prefix, self._model_name)
+                self._spec = SpecDecodeMetrics(self.registry, self._prefix, ENGINE_LABELS, self._engine_values)
             if self._spec is not None:
                 self._spec.update(stats, last)
             if stats.kv_tier is not None:  # the KV offload tier (metrics/kv_offload.py)
@@ -165,7 +222,10 @@ class PrometheusMetrics:
     def on_step(self, stats, seconds: float) -> None:
         self.update_stats(stats)
         self.step_time.observe(seconds)
-        self.families.on_step(stats)
+        families = self._request_families()
+        families.on_step(stats)
+        if self._gaps_source is not None:
+            families.on_token_gaps(self._gaps_source.last_token_gaps)
 
     def on_step_phases(self, timing, output_seconds: float) -> None:
         """One core step's StepTiming and the front end's output processing of it."""
@@ -177,29 +237,23 @@ class PrometheusMetrics:
 
     def on_finished(self, out) -> None:
         m = out.metrics or {}
-        self.prompt_tokens.inc(len(out.prompt_token_ids or ()))
+        num_prompt = len(out.prompt_token_ids or ())
+        cached = min(num_prompt, max(0, out.num_cached_tokens or 0))
+        self.prompt_tokens.inc(num_prompt)
+        self._prompt_by_source["local_compute"].inc(num_prompt - cached)
+        self._prompt_by_source["local_cache_hit"].inc(cached)
+        self.cached_tokens.inc(cached)
         n_gen = m.get("num_generated_tokens")
         if n_gen is None:
             n_gen = sum(len(o.token_ids) for o in out.outputs)
         self.generation_tokens.inc(n_gen)
-        self.families.on_finished(out, n_gen)
+        self._request_families().on_finished(out, n_gen)
         for o in out.outputs:
             reason = o.finish_reason or "abort"
             counter = self._success.get(reason)
             if counter is None:
-                counter = self._success[reason] = self.success.labels(self._model_name, reason)
+                counter = self._success[reason] = self.success.labels(*self._engine_values, reason)
             counter.inc()
-        arrival, first, last = m.get("arrival_time"), m.get("first_token_time"), m.get("last_token_time")
-        scheduled = m.get("scheduled_time")
-        if arrival is not None and first is not None:
-            self.ttft.observe(max(0.0, first - arrival))
-        if arrival is not None and last is not None:
-            self.e2e.observe(max(0.0, last - arrival))
-        if arrival is not None and scheduled is not None:
-            self.queue_time.observe(max(0.0, scheduled - arrival))
-        per_seq = n_gen / max(1, len(out.outputs))
-        if first is not None and last is not None and per_seq > 1:
-            self.tpot.observe(max(0.0, (last - first) / (per_seq - 1)))
 
     # ---- export -----------------------------------------------------------------------------
     def render(self, stats=None, engine_dead: bool = False) -> tuple[bytes, str]:

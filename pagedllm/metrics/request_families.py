@@ -1,26 +1,32 @@
-"""vLLM's per-request and per-iteration metric families (its names, types, labels and buckets),
-beside prometheus.py's: the phases of a request (queue, prefill, decode, inference), its sizes,
-its per-token latency, the tokens of each engine step and the prompt tokens the prefix cache
-served.
+"""vLLM's per-request and per-iteration histograms (its names, types, labels and buckets, checked
+against a live vLLM 0.32 /metrics: tests/entrypoints/data/vllm_metric_families.json), beside
+prometheus.py's gauges and counters: the phases of a request (queue, prefill, decode,
+inference, end to end), its sizes and parameters, time to first token, the gap between a
+request's consecutive outputs, and the tokens of each engine step.
 
-Timing comes from a finished request's arrival / scheduled / first-token / last-token times, so
-``inter_token_latency_seconds`` records each request's mean gap once per generated token after
-the first (its count and sum are exact; its spread within one request is not measured: the
-engine does not time tokens one by one).
+Per-request figures come from a finished RequestOutput's metrics (arrival / scheduled /
+first-token / last-token times, max_tokens, preemptions); ``inter_token_latency_seconds`` from the output
+processor's gaps between a request's consecutive outputs, observed each step (``on_token_gaps``).
+A request with n > 1 sequences is observed once (vLLM observes each sequence).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterable, Optional
 
-_REQUEST_LATENCY = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                    480.0, 960.0, 1920.0, 7680.0)
-_TOKEN_LATENCY = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                  40.0, 80.0)
-_ITERATION_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's bucket families (vllm/v1/metrics/buckets.py's defaults)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                               10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+REQUEST_PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+REQUEST_NUM_PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 
 
 def one_two_five_buckets(limit: int) -> list[int]:
-    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets, up to max_model_len)."""
     out, base = [], 1
     while True:
         for m in (1, 2, 5):
@@ -31,51 +37,71 @@ def one_two_five_buckets(limit: int) -> list[int]:
 
 
 class RequestFamilies:
-    def __init__(self, registry, prefix: str, model_name: str, max_model_len: int = 2048) -> None:
-        from prometheus_client import Counter, Histogram
-
-        lbl = ["model_name"]
+    def __init__(self, registry, prefix: str, labels: tuple[str, ...], values: tuple[str, ...],
+                 max_model_len: int) -> None:
+        from prometheus_client import Histogram
 
         def hist(name, doc, buckets):
-            return Histogram(f"{prefix}:{name}", doc, lbl, buckets=buckets, registry=registry).labels(model_name)
+            return Histogram(f"{prefix}:{name}", doc, list(labels), buckets=buckets, registry=registry).labels(*values)
 
         sizes = one_two_five_buckets(max_model_len)
-        self.prefill = hist("request_prefill_time_seconds", "Time spent in the prefill phase of a request.",
-                            _REQUEST_LATENCY)
-        self.decode = hist("request_decode_time_seconds", "Time spent in the decode phase of a request.",
-                           _REQUEST_LATENCY)
-        self.inference = hist("request_inference_time_seconds", "Time a request spent running (scheduled to "
-                              "last token).", _REQUEST_LATENCY)
-        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token of a request.",
-                         _TOKEN_LATENCY)
-        self.itl = hist("inter_token_latency_seconds", "Time between generated tokens (each request's mean gap, "
-                        "once per token).", _TOKEN_LATENCY)
+        lat = REQUEST_LATENCY_BUCKETS
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token (arrival to first output).",
+                         TIME_TO_FIRST_TOKEN_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between a request's consecutive outputs (one per "
+                        "step that gave it tokens, after its first).", INTER_TOKEN_LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds", "Mean time per output token of a request after "
+                         "its first (decode time / (tokens - 1)).", INTER_TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", lat)
+        self.queue = hist("request_queue_time_seconds", "Time spent waiting: arrival to the start of its first step.",
+                          lat)
+        self.inference = hist("request_inference_time_seconds", "Time a request spent running (its first step to "
+                              "its last token).", lat)
+        self.prefill = hist("request_prefill_time_seconds", "Prefill phase: its first step to its first token.", lat)
+        self.decode = hist("request_decode_time_seconds", "Decode phase: first token to last token.", lat)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens of a finished request.", sizes)
         self.gen_len = hist("request_generation_tokens", "Tokens generated by a finished request.", sizes)
         self.max_gen = hist("request_max_num_generation_tokens", "Most tokens generated by one sequence of a "
                             "request.", sizes)
-        self.params_n = hist("request_params_n", "The n of a finished request.", (1, 2, 5, 10, 20))
-        self.iteration = hist("iteration_tokens_total", "Tokens scheduled in one engine step.", _ITERATION_TOKENS)
-        self.cached = Counter(f"{prefix}:prompt_tokens_cached", "Prompt tokens served from the prefix cache.", lbl,
-                              registry=registry).labels(model_name)
+        self.params_n = hist("request_params_n", "The n request parameter.", REQUEST_PARAMS_N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens request parameter.", sizes)
+        self.prefill_kv = hist("request_prefill_kv_computed_tokens", "Prompt tokens computed in prefill (the prompt "
+                               "less its prefix-cache hits).", sizes)
+        self.preempted = hist("request_num_preemptions", "Times a finished request was preempted (its sequences' "
+                              "sum).", REQUEST_NUM_PREEMPTIONS_BUCKETS)
+        self.iteration = hist("iteration_tokens_total", "Tokens run through the model in one engine step.",
+                              ITERATION_TOKENS_BUCKETS)
         self._last_scheduled: Optional[int] = None
 
     def on_step(self, stats) -> None:
-        total = getattr(stats, "num_scheduled_tokens_total", None)
-        if total is None:
-            return
+        total = stats.num_scheduled_tokens_total
         if self._last_scheduled is not None and total > self._last_scheduled:
             self.iteration.observe(total - self._last_scheduled)
         self._last_scheduled = total
 
+    def on_token_gaps(self, gaps: Iterable[float]) -> None:
+        for gap in gaps:
+            self.itl.observe(gap)
+
     def on_finished(self, out, n_gen: int) -> None:
         m = out.metrics or {}
-        self.prompt_len.observe(len(out.prompt_token_ids or ()))
+        num_prompt = len(out.prompt_token_ids or ())
+        self.prompt_len.observe(num_prompt)
         self.gen_len.observe(n_gen)
         self.max_gen.observe(max((len(o.token_ids) for o in out.outputs), default=0))
         self.params_n.observe(max(1, len(out.outputs)))
-        self.cached.inc(max(0, out.num_cached_tokens or 0))
-        scheduled, first, last = m.get("scheduled_time"), m.get("first_token_time"), m.get("last_token_time")
+        if m.get("max_tokens"):
+            self.params_max_tokens.observe(m["max_tokens"])
+        self.prefill_kv.observe(max(0, num_prompt - max(0, out.num_cached_tokens or 0)))
+        self.preempted.observe(m.get("num_preemptions", 0))
+        arrival, scheduled = m.get("arrival_time"), m.get("scheduled_time")
+        first, last = m.get("first_token_time"), m.get("last_token_time")
+        if arrival is not None and first is not None:
+            self.ttft.observe(max(0.0, first - arrival))
+        if arrival is not None and last is not None:
+            self.e2e.observe(max(0.0, last - arrival))
+        if arrival is not None and scheduled is not None:
+            self.queue.observe(max(0.0, scheduled - arrival))
         if scheduled is not None and first is not None:
             self.prefill.observe(max(0.0, first - scheduled))
         if scheduled is not None and last is not None:
@@ -83,8 +109,4 @@ class RequestFamilies:
         if first is not None and last is not None:
             self.decode.observe(max(0.0, last - first))
             per_seq = n_gen / max(1, len(out.outputs))
-            if per_seq > 1:
-                gap = max(0.0, (last - first) / (per_seq - 1))
-                self.tpot.observe(gap)
-                for _ in range(int(per_seq) - 1):
-                    self.itl.observe(gap)
+            self.tpot.observe(max(0.0, (last - first) / (per_seq - 1)) if per_seq > 1 else 0.0)

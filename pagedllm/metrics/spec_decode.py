@@ -12,25 +12,26 @@ from __future__ import annotations
 
 
 class SpecDecodeMetrics:
-    def __init__(self, registry, prefix: str, model_name: str) -> None:
+    def __init__(self, registry, prefix: str, labels: tuple[str, ...], values: tuple[str, ...]) -> None:
         from prometheus_client import Counter, Gauge
 
-        lbl = ["model_name"]
+        lbl = list(labels)
 
         def counter(name, doc):
-            return Counter(f"{prefix}:spec_decode_{name}", doc, lbl, registry=registry).labels(model_name)
+            return Counter(f"{prefix}:spec_decode_{name}", doc, lbl, registry=registry).labels(*values)
 
         self.num_drafts = counter("num_drafts", "Verification rows with drafts (drafted requests per step).")
         self.num_draft_tokens = counter("num_draft_tokens", "Draft tokens proposed.")
         self.num_accepted_tokens = counter("num_accepted_tokens", "Draft tokens accepted.")
+        # ours, not vLLM's: emitted tokens and the acceptance rate
         self.num_emitted_tokens = counter("num_emitted_tokens",
                                           "Tokens emitted by drafted requests' verification steps.")
         self.per_pos = Counter(f"{prefix}:spec_decode_num_accepted_tokens_per_pos",
-                               "Draft tokens accepted, by draft position (0-based).", ["model_name", "position"],
+                               "Draft tokens accepted, by draft position (0-based).", lbl + ["position"],
                                registry=registry)
         self.acceptance = Gauge(f"{prefix}:spec_decode_draft_acceptance_rate",
-                                "Accepted / proposed draft tokens since start.", lbl, registry=registry).labels(model_name)
-        self._model_name = model_name
+                                "Accepted / proposed draft tokens since start.", lbl, registry=registry).labels(*values)
+        self._values = values
 
     def update(self, stats, last) -> None:
         """Advance the counters by the difference between two SchedulerStats snapshots."""
@@ -46,7 +47,7 @@ class SpecDecodeMetrics:
         for i, n in enumerate(stats.spec_accepted_per_pos):
             d = n - (prev[i] if i < len(prev) else 0)
             if d > 0 or last is None:
-                self.per_pos.labels(self._model_name, str(i)).inc(max(d, 0))
+                self.per_pos.labels(*self._values, str(i)).inc(max(d, 0))
         if stats.spec_num_draft_tokens:
             self.acceptance.set(stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens)
 

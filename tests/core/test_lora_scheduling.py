@@ -54,6 +54,7 @@ def test_request_waits_for_a_slot_while_others_run():
     assert set(so.num_scheduled_tokens) == {"a1", "base"}
     assert so.lora_loads == ((0, A),)
     assert [nr.lora_slot for nr in so.scheduled_new_reqs] == [0, -1]
+    assert s.get_stats().num_waiting_deferred == 1  # b1: set aside, not short of room (metrics' "deferred")
     while "a1" in s.requests:
         so = step(s)
         assert "b1" not in so.num_scheduled_tokens

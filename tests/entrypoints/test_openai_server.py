@@ -212,9 +212,9 @@ def test_metrics(server, client):
     def delta(prefix):
         return _metric(text, prefix) - _metric(before, prefix)
 
-    assert delta('pagedllm:request_success_total{finished_reason="length"') == 3  # one per output sequence
+    assert delta('pagedllm:request_success_total{engine="0",finished_reason="length"') == 3  # one per sequence
     assert delta("pagedllm:prompt_tokens_total") == 10 and delta("pagedllm:generation_tokens_total") == 10
-    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds",
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_time_per_output_token_seconds",
               "request_queue_time_seconds"):
         assert delta(f"pagedllm:{h}_count") == 2, h
     assert delta("pagedllm:prefix_cache_queries_total") > 0 and delta("pagedllm:engine_steps_total") >= 4

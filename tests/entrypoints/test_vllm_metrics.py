@@ -1,55 +1,164 @@
-"""vLLM's per-request metric families (request_families.py): names, types and labels under the
-prefix, the values a finished request adds, and the server's /metrics carrying them."""
+"""vLLM's metric families under --metrics-prefix vllm: names, types, label names, label values and
+histogram buckets against those a live vLLM 0.32 server exported (data/vllm_metric_families.json,
+written by benchmarks/vllm_metric_families.py), the values a finished request and a step add,
+and the server's /metrics carrying them (real inter-token gaps included)."""
 from __future__ import annotations
+
+import json
+import os
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedllm.core.contracts import SchedulerStats
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
-FAMILIES = {
-    "request_prefill_time_seconds": "histogram", "request_decode_time_seconds": "histogram",
-    "request_inference_time_seconds": "histogram", "request_time_per_output_token_seconds": "histogram",
-    "inter_token_latency_seconds": "histogram", "request_prompt_tokens": "histogram",
-    "request_generation_tokens": "histogram", "request_max_num_generation_tokens": "histogram",
-    "request_params_n": "histogram", "iteration_tokens_total": "histogram", "prompt_tokens_cached": "counter",
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "vllm_metric_families.json")
+# vLLM families this engine does not export, and why (docs/usage.md's metrics section says the same)
+NOT_PRODUCED = {
+    "vllm:external_prefix_cache_queries": "no KV connector (cross-instance cache) here",
+    "vllm:external_prefix_cache_hits": "no KV connector (cross-instance cache) here",
+    "vllm:mm_cache_queries": "no multimodal processor cache here",
+    "vllm:mm_cache_hits": "no multimodal processor cache here",
+    "vllm:admission_rejections": "no max_num_queued_reqs / max_num_queued_tokens queue limits here (a full "
+                                 "queue is a 429 counted nowhere yet)",
+    "vllm:estimated_flops_per_gpu": "no per-GPU performance model here",
+    "vllm:estimated_read_bytes_per_gpu": "no per-GPU performance model here",
+    "vllm:estimated_write_bytes_per_gpu": "no per-GPU performance model here",
 }
+# label values vLLM pre-creates that never occur here
+VALUES_NOT_PRODUCED = {
+    ("vllm:request_success", "finished_reason"): {"repetition"},  # no repetition detection
+    ("vllm:prompt_tokens_cached_by_source", "source"): {"host", "disk", "p2p", "external_unspecified"},
+}
+INFO_FAMILIES = {"vllm:cache_config_info"}  # labels: the subset of vLLM's config fields this engine has
 
 
 def families(text: str) -> dict:
-    return {f.name: f for f in text_string_to_metric_families(text)}
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        labels, values, buckets = set(), {}, set()
+        for s in fam.samples:
+            for k, v in s.labels.items():
+                if k == "le":
+                    if v != "+Inf":
+                        buckets.add(float(v))
+                else:
+                    labels.add(k)
+                    values.setdefault(k, set()).add(v)
+        out[fam.name] = {"type": fam.type, "labels": sorted(labels), "values": values, "buckets": sorted(buckets),
+                         "samples": {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "le")),
+                                      s.labels.get("le")): s.value for s in fam.samples}}
+    return out
 
 
-def test_a_finished_request_fills_the_families():
+def stats(**kw):
+    base = dict(num_running=1, num_waiting=3, kv_cache_usage=0.25, num_free_blocks=6, num_total_blocks=8,
+                prefix_cache_queries=12, prefix_cache_hits=4, num_preemptions=1, num_scheduled_tokens_total=20,
+                num_steps=3, num_batched_reqs_max=2, num_waiting_deferred=1)
+    return SchedulerStats(**{**base, **kw})
+
+
+class GapsEngine:
+    """What PrometheusMetrics.attach reads from an AsyncLLM."""
+
+    def __init__(self):
+        self.on_step = self.on_finished = self.on_step_phases = None
+        self.stats, self.max_model_len, self.last_token_gaps = stats(), 1024, []
+        self.config = None
+
+
+def fed_metrics(max_model_len: int):
     from pagedllm.metrics.prometheus import PrometheusMetrics
 
     pm = PrometheusMetrics("m", prefix="vllm")
-    out = RequestOutput("r", None, [1, 2, 3, 4], None, [CompletionOutput(0, "abc", [5, 6, 7, 8, 9], None, None, "stop")],
+    engine = GapsEngine()
+    engine.max_model_len = max_model_len
+    pm.attach(engine)
+    pm.set_kv_cache_info("auto", 16, 8, True)
+    engine.last_token_gaps = [0.02, 0.03, 0.5]
+    pm.on_step(stats(num_scheduled_tokens_total=27), 0.01)
+    out = RequestOutput("r", None, [1, 2, 3, 4], None, [CompletionOutput(0, "abc", [5, 6, 7, 8, 9], None, None,
+                                                                         "stop")],
                         True, num_cached_tokens=2,
                         metrics={"arrival_time": 10.0, "scheduled_time": 10.5, "first_token_time": 11.0,
-                                 "last_token_time": 13.0, "num_generated_tokens": 5})
+                                 "last_token_time": 13.0, "num_generated_tokens": 5, "max_tokens": 16,
+                                 "num_preemptions": 2})
     pm.on_finished(out)
-    got = families(pm.render()[0].decode())
-    for name, kind in FAMILIES.items():
-        assert got[f"vllm:{name}"].type == kind, name
-    samples = {(s.name, s.labels.get("le")): s.value for f in got.values() for s in f.samples}
-    assert samples[("vllm:request_prefill_time_seconds_sum", None)] == 0.5
-    assert samples[("vllm:request_decode_time_seconds_sum", None)] == 2.0
-    assert samples[("vllm:request_inference_time_seconds_sum", None)] == 2.5
-    assert samples[("vllm:request_time_per_output_token_seconds_sum", None)] == 0.5
-    assert samples[("vllm:inter_token_latency_seconds_count", None)] == 4
-    assert samples[("vllm:inter_token_latency_seconds_sum", None)] == 2.0
-    assert samples[("vllm:request_prompt_tokens_sum", None)] == 4
-    assert samples[("vllm:prompt_tokens_cached_total", None)] == 2
-    assert all(s.labels.get("model_name") == "m" for f in got.values() for s in f.samples
-               if f.name.startswith("vllm:request_"))
+    return pm
 
 
-def test_server_exports_them(server, client):
-    client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=4, temperature=0)
+def test_families_match_vllm_0_32():
+    with open(FIXTURE) as f:
+        fixture = json.load(f)
+    ours = families(fed_metrics(fixture["max_model_len"]).render()[0].decode())
+    theirs = fixture["families"]
+    assert set(NOT_PRODUCED) <= set(theirs), "a stale NOT_PRODUCED entry"
+    for name, want in theirs.items():
+        if name in NOT_PRODUCED:
+            assert name not in ours, f"{name} is produced now: drop it from NOT_PRODUCED"
+            continue
+        assert name in ours, f"vLLM exports {name}, we do not"
+        got = ours[name]
+        assert got["type"] == want["type"], name
+        if name in INFO_FAMILIES:
+            assert set(got["labels"]) <= set(want["labels"]), (name, got["labels"])
+        else:
+            assert got["labels"] == want["labels"], (name, got["labels"], want["labels"])
+        if want["type"] == "histogram":
+            assert got["buckets"] == want["buckets"], name
+        for label, values in want.get("label_values", {}).items():
+            if label == "engine":
+                continue
+            lacking = set(values) - got["values"].get(label, set()) - VALUES_NOT_PRODUCED.get((name, label), set())
+            assert not lacking, (name, label, lacking)
+
+
+def test_a_finished_request_and_a_step_fill_the_families():
+    got = families(fed_metrics(1024).render()[0].decode())
+    lbl = (("engine", "0"), ("model_name", "m"))
+
+    def sample(family, suffix, extra=()):
+        return got[family]["samples"][(family + suffix, tuple(sorted(lbl + extra)), None)]
+
+    assert sample("vllm:request_prefill_time_seconds", "_sum") == 0.5
+    assert sample("vllm:request_decode_time_seconds", "_sum") == 2.0
+    assert sample("vllm:request_inference_time_seconds", "_sum") == 2.5
+    assert sample("vllm:e2e_request_latency_seconds", "_sum") == 3.0
+    assert sample("vllm:request_queue_time_seconds", "_sum") == 0.5
+    assert sample("vllm:time_to_first_token_seconds", "_sum") == 1.0
+    assert sample("vllm:request_time_per_output_token_seconds", "_sum") == 0.5
+    assert sample("vllm:inter_token_latency_seconds", "_count") == 3  # the gaps themselves, not a mean
+    assert abs(sample("vllm:inter_token_latency_seconds", "_sum") - 0.55) < 1e-9
+    assert sample("vllm:request_params_max_tokens", "_sum") == 16
+    assert sample("vllm:request_prefill_kv_computed_tokens", "_sum") == 2
+    assert sample("vllm:request_num_preemptions", "_sum") == 2
+    assert sample("vllm:iteration_tokens_total", "_sum") == 7
+    assert sample("vllm:prompt_tokens_cached", "_total") == 2
+    assert sample("vllm:prompt_tokens_by_source", "_total", (("source", "local_compute"),)) == 2
+    assert sample("vllm:prompt_tokens_cached_by_source", "_total", (("source", "device"),)) == 4
+    assert sample("vllm:num_requests_waiting_by_reason", "", (("reason", "capacity"),)) == 2
+    assert sample("vllm:num_requests_waiting_by_reason", "", (("reason", "deferred"),)) == 1
+    assert sample("vllm:request_success", "_total", (("finished_reason", "stop"),)) == 1
+    assert sample("vllm:request_success", "_total", (("finished_reason", "length"),)) == 0  # made up front
+    assert sample("vllm:engine_sleep_state", "", (("sleep_state", "awake"),)) == 1
+
+
+def test_server_exports_them_with_real_gaps(server, client):
+    from conftest import wait_idle
+
+    wait_idle(server.engine)
+    before = families(httpx.get(server.url + "/metrics", timeout=30).text)
+    client.completions.create(model="tiny", prompt="w1 w2 w3", max_tokens=5, temperature=0,
+                              extra_body={"ignore_eos": True})
+    wait_idle(server.engine)
     got = families(httpx.get(server.url + "/metrics", timeout=30).text)
-    for name in FAMILIES:
-        assert f"pagedllm:{name}" in got, name
-    count = [s.value for s in got["pagedllm:request_generation_tokens"].samples if s.name.endswith("_count")]
-    iters = [s.value for s in got["pagedllm:iteration_tokens_total"].samples if s.name.endswith("_count")]
-    assert count[0] >= 1 and iters[0] >= 1
+
+    def count(name):
+        return sum(v for (s, _, le), v in got[name]["samples"].items() if s.endswith("_count")) - \
+            sum(v for (s, _, le), v in before.get(name, {"samples": {}})["samples"].items() if s.endswith("_count"))
+
+    assert count("pagedllm:request_generation_tokens") == 1 and count("pagedllm:iteration_tokens_total") >= 1
+    assert count("pagedllm:inter_token_latency_seconds") == 4  # one gap per output after the first
+    assert count("pagedllm:request_params_max_tokens") == 1
+    assert got["pagedllm:num_requests_running"]["labels"] == ["engine", "model_name"]
