@@ -186,6 +186,9 @@ class EngineConfig:
     # sampling standing in as placeholders the worker fills in itself (engine/core.py); a step with a
     # beam search or a constrained request running goes one at a time
     async_scheduling: bool = False
+    # vLLM's custom logits processors (sample/logits_processors.py): LogitsProcessor subclasses, by qualified
+    # name ("package.module:Class") or as classes, built on the sampling rank and applied to every step's logits
+    logits_processors: tuple = ()
 
     def _check_kv_offloading(self) -> None:
         if self.kv_offloading_backend not in KV_OFFLOADING_BACKENDS:
@@ -275,6 +278,22 @@ class EngineConfig:
                 raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {n!r}")
         object.__setattr__(self, "limit_mm_per_prompt", tuple(sorted(value.items())))  # hashable, like the config
 
+    def _check_logits_processors(self) -> None:
+        procs = self.logits_processors
+        if isinstance(procs, (str, type)):
+            procs = (procs,)
+        object.__setattr__(self, "logits_processors", tuple(procs or ()))
+        if not self.logits_processors:
+            return
+        if self.speculative_config is not None:
+            raise ValueError("logits_processors cannot be combined with speculative decoding (speculative_config): "
+                             "its verification rows are not one per request")
+        if self.runner == "pooling":
+            raise ValueError("logits_processors: a pooling model (runner pooling) samples no tokens")
+        for p in self.logits_processors:  # loaded (and checked) by the engine at start-up
+            if not isinstance(p, (str, type)) or (isinstance(p, str) and not p.strip()):
+                raise ValueError(f"logits_processors: expected classes or qualified class names, got {p!r}")
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._parse_mm_limits()
@@ -352,6 +371,7 @@ class EngineConfig:
             raise ValueError(f"max_loras_per_step must be in 1..max_loras ({self.max_loras}), got "
                              f"{self.max_loras_per_step}")
         self._check_kv_offloading()
+        self._check_logits_processors()
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {list(SCHEDULING_POLICIES)}, got "
                              f"{self.scheduling_policy!r}")

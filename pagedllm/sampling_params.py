@@ -105,6 +105,9 @@ class SamplingParams:
     logits_processors: Optional[list[Any]] = None
     truncate_prompt_tokens: Optional[int] = None
     detokenize: bool = True
+    # vLLM's extra_args (vllm_xargs in a request): what custom batch logits processors
+    # (--logits-processors) read per request; nothing else looks at them
+    extra_args: Optional[dict[str, Any]] = None
     # Filled in by the engine: all stop token ids including EOS (unless ignore_eos).
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     # Filled in by the engine: bad_words as token id sequences.
@@ -207,6 +210,9 @@ class SamplingParams:
             if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(f) for f in self.logits_processors):
                 raise bad("logits_processors", "a list of callables", self.logits_processors)
             self.logits_processors = list(self.logits_processors)
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict)
+                                            or not all(isinstance(k, str) for k in self.extra_args)):
+            raise bad("extra_args", "a map of names to values", self.extra_args)
         if not self.detokenize and self.stop:
             raise bad("stop", "empty when detokenize is False (stop strings are matched on the text)", self.stop)
         if self.truncate_prompt_tokens is not None and (

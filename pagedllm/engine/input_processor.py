@@ -45,7 +45,8 @@ PromptType = Union[str, list[int], dict[str, Any], ProcessedPrompt]
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, limits: Optional[EngineLimits] = None,
                  eos_token_ids: Optional[list[int]] = None, lora_registry=None, structured=None,
-                 images=None, allowed_local_media_path: Optional[str] = None) -> None:
+                 images=None, allowed_local_media_path: Optional[str] = None,
+                 logits_processors=()) -> None:
         """``images``: the model's multimodal.processor.ImagePromptProcessor (None: a text model);
         ``allowed_local_media_path``: where images may be read from local files (None: nowhere)."""
         self.tokenizer = tokenizer
@@ -57,6 +58,7 @@ class InputProcessor:
         self.structured = structured  # StructuredOutputManager (has a tokenizer) or None
         self.images = images
         self.allowed_local_media_path = allowed_local_media_path
+        self.logits_processors = list(logits_processors)  # --logits-processors' classes (their validate_params)
         self.max_prompt_chars = 2 * max_model_len * max_token_chars(tokenizer) if tokenizer is not None else 0
 
     # ---- prompts ----------------------------------------------------------------------------
@@ -178,6 +180,8 @@ class InputProcessor:
                 raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
             if limits.speculative:
                 raise ValueError("structured_outputs cannot be combined with speculative decoding on this engine yet")
+        for cls in self.logits_processors:
+            cls.validate_params(params)  # a ValueError: this request's 400
         prompt = self.process(prompt, params.truncate_prompt_tokens)
         if prompt.mm_features:
             self._check_images_supported(limits)

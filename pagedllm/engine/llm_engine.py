@@ -45,6 +45,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, skip_tokenizer_init: bool = False, multiprocess: bool = False,
                  executor_factory=None) -> None:
         self.config = config
+        procs = ()
+        if config.logits_processors:  # a bad name fails the start at once, naming it
+            from pagedllm.sample.logits_processors import load_processor_classes
+
+            procs = load_processor_classes(config.logits_processors)
         hf_config = load_hf_config(config.model)
         self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
         self.hf_config = hf_config
@@ -70,7 +75,7 @@ class LLMEngine:
                                               self.eos_token_ids, self.lora_registry, self._grammar_checker(),
                                               make_image_processor(config.model, hf_config, self.tokenizer,
                                                                    config.max_images_per_prompt),
-                                              config.allowed_local_media_path)
+                                              config.allowed_local_media_path, procs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

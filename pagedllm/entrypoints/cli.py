@@ -79,6 +79,8 @@ _HELP = {
                           "\"model\": DIR, \"num_speculative_tokens\": 3} or {\"method\": \"eagle\", \"model\": "
                           "EAGLE_HEAD_DIR, \"num_speculative_tokens\": 3}; optional disable_by_batch_size, "
                           "auto_disable (default true: decode plainly while speculation measurably loses)",
+    "logits_processors": "custom logits processors (vLLM's interface): qualified names of LogitsProcessor "
+                         "subclasses, package.module:Class, loaded at start-up and applied to every step's logits",
     "enable_lora": "serve LoRA adapters (PEFT format) beside the base model, mixed in one batch",
     "max_loras": "LoRA adapter slots: distinct adapters that can run at once (others wait for a slot)",
     "max_lora_rank": "the largest LoRA rank accepted (slots are sized for it)",
@@ -128,6 +130,8 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()
         help_ = _HELP.get(f.name, f.name.replace("_", " "))
         if conv is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif f.name == "logits_processors":
+            group.add_argument(flag, dest=f.name, nargs="+", default=None, metavar="CLASS", help=help_)
         else:
             group.add_argument(flag, dest=f.name, type=conv, default=None, help=help_)
 

@@ -50,6 +50,8 @@ class SamplingMetadata:
     allow_row_ids: Optional[torch.Tensor] = None  # long [R]: the distinct rows
     # offline logits processors: (row, processors, prompt token ids, output token ids)
     processors: Optional[list] = None
+    # --logits-processors: the sampling rank's BatchProcessors (sample/logits_processors.py)
+    batch_processors: Optional[object] = None
 
 
 class SamplingRowState(Protocol):
@@ -72,7 +74,7 @@ class SamplingRowState(Protocol):
 _NOT_SAMPLING = {"n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
                  "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs",
                  "skip_special_tokens", "spaces_between_special_tokens", "structured_outputs", "guided_decoding",
-                 "_all_stop_token_ids", "truncate_prompt_tokens", "detokenize"}
+                 "_all_stop_token_ids", "truncate_prompt_tokens", "detokenize", "extra_args"}
 _SAMPLING_DEFAULTS = [(f.name, f.default if f.default is not MISSING else f.default_factory())
                       for f in fields(SamplingParams) if f.name not in _NOT_SAMPLING]
 

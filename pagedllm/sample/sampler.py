@@ -73,7 +73,8 @@ def tempered_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 def _has_constraints(md: SamplingMetadata) -> bool:
     return (md.bias_rows is not None or md.ban_rows is not None or md.seen_rows is not None
-            or md.mask_rows is not None or md.allow_rows is not None or md.processors is not None)
+            or md.mask_rows is not None or md.allow_rows is not None or md.processors is not None
+            or (md.batch_processors is not None and (not md.all_greedy or md.batch_processors.changes_greedy())))
 
 
 class Sampler:
@@ -125,6 +126,8 @@ class Sampler:
                     n = fn.__code__.co_argcount if hasattr(fn, "__code__") else 2
                     out = fn(prompt_ids, output_ids, logits[row]) if n >= 3 else fn(output_ids, logits[row])
                     logits[row] = out
+        if md.batch_processors is not None:  # --logits-processors: the whole batch at once
+            logits = md.batch_processors.apply(logits, md.all_greedy)
         return logits
 
     def _uniforms(self, n: int, md: SamplingMetadata, device: torch.device) -> torch.Tensor:

@@ -68,6 +68,7 @@ class ModelRunner:
         # the one rank that samples and computes logprobs
         self.is_sampler = self.tp.rank == 0 and (self.pp is None or self.pp.is_last)
         self.sampler = Sampler(seed, device) if self.is_sampler else None
+        self.logits_procs = plugins.logits() if plugins.logits is not None and self.is_sampler else None
         self.requests: dict[str, CachedRequestState] = {}
         self.batch = InputBatch()  # every held request's row: block ids, sampling facts (kept across steps)
         self.block_table = self.batch.block_table
@@ -258,9 +259,13 @@ class ModelRunner:
         sample_states: list = []
         if self.is_sampler:
             plain = self.batch.plain_greedy[inputs.rows[rows]].all()  # the usual batch: nothing to build per row
-            if not plain or grammar is not None:
+            procs = self.logits_procs
+            if not plain or grammar is not None or procs is not None:
                 sample_states = [inputs.states[i] for i in rows]
+            if procs is not None:  # --logits-processors: told this step's rows first
+                procs.update(sample_states)
             md = greedy_metadata() if plain else build_sampling_metadata(sample_states, self.vocab_size, self.device)
+            md.batch_processors = procs
             if grammar is not None:
                 self._attach_grammar(md, sample_states, grammar)
             out = self.sampler(logits, md)

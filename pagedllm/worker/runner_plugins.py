@@ -77,6 +77,8 @@ class RunnerPlugins:
     spec: Optional[Callable[[Optional[torch.Generator]], SpecPlugin]] = None
     graphs: Optional[GraphPlugin] = None
     kv_tier: Optional[KVTierPlugin] = None
+    # --logits-processors: builds the sampling rank's BatchProcessors (sample/logits_processors.py)
+    logits: Optional[Callable[[], object]] = None
 
 
 # ---- forward paths ------------------------------------------------------------------------------

@@ -284,7 +284,8 @@ class Worker:
         self.kv_tier = self._make_kv_tier()
         self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed,
                                   RunnerPlugins(lora=self.lora, spec=self._spec_plugin(num_blocks),
-                                                graphs=self.platform.graph_plugin(self), kv_tier=self.kv_tier))
+                                                graphs=self.platform.graph_plugin(self), kv_tier=self.kv_tier,
+                                                logits=self._logits_plugin()))
         if leader:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             tokens = num_blocks * spec.block_size
@@ -346,6 +347,14 @@ class Worker:
             logger.info("KV offload tier (%s): %d blocks = %s per rank (%d tokens)", self.config.kv_offloading_backend,
                         num_slots, gib(num_slots * layout.bytes_per_block), num_slots * self.kv_spec.block_size)
         return TierTransfers(store, caches, tp)
+    def _logits_plugin(self):
+        """--logits-processors: a factory of the sampling rank's processors (None without any)."""
+        if not self.config.logits_processors:
+            return None
+        from pagedllm.sample.logits_processors import BatchProcessors, load_processor_classes
+
+        classes = load_processor_classes(self.config.logits_processors)
+        return lambda: BatchProcessors(classes, self.config, self.device)
 
     def _spec_plugin(self, num_blocks: int):
         """Speculative decoding (spec_decode/): proposers and verification, drawing from the

@@ -141,9 +141,9 @@ class _SamplingFields(_Request):
     cache_salt: Optional[str] = Field(default=None, min_length=1)
     request_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     priority: int = 0  # lower runs first under --scheduling-policy priority
-    # accepted and ignored, as vLLM ignores them without a KV connector / custom logits processor / a multimodal model
+    vllm_xargs: Optional[dict[str, Any]] = None  # SamplingParams.extra_args: read by --logits-processors
+    # accepted and ignored, as vLLM ignores them without a KV connector / a multimodal model
     kv_transfer_params: Optional[dict[str, Any]] = None
-    vllm_xargs: Optional[dict[str, Any]] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
 
 

@@ -294,7 +294,7 @@ class OpenAIServing:
             skip_special_tokens=req.skip_special_tokens, best_of=getattr(req, "best_of", None),
             structured_outputs=request_constraint(req, _bad_request)[0],
             bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
-            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens, extra_args=req.vllm_xargs,
         )
         if req.priority and getattr(self.engine.config, "scheduling_policy", "fcfs") != "priority":
             raise APIError(400, f"priority {req.priority} needs the server started with --scheduling-policy priority "
