@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 _GREEDY_EPS = 1e-5
 
-_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def token_id_key(key) -> int:
@@ -39,12 +39,19 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
+    # xgrammar's structural tag (vLLM's response_format type structural_tag), as a dict or its JSON
+    # text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (free text until a trigger,
+    # then the schema inside begin...end), or xgrammar's newer {"format": {...}}
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
 
     def __post_init__(self) -> None:
         set_ = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_CONSTRAINTS)}, got "
                              f"{', '.join(set_) if set_ else 'none'}")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError(f"structured_outputs.structural_tag must be an object or its JSON text, got "
+                             f"{type(self.structural_tag).__name__}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got "
                              f"{type(self.json).__name__}")

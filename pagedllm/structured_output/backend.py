@@ -72,22 +72,32 @@ def import_xgrammar():
     return xgrammar
 
 
+def _json_value(value, kind: str):
+    """A constraint given as an object or as its JSON text: the object."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"structured_outputs.{kind} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"structured_outputs.{kind} nests too deeply") from None
+
+
 def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
     """The compile cache key: the constraint's kind and its text. A JSON schema's keys keep their
     order (never sorted): the grammar writes an object's properties in the schema's order, so a
     schema that puts ``reasoning`` before ``answer`` gets them in that order."""
     kind = spec.kind
     if kind == "json":
-        value = spec.json
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            except RecursionError:
-                raise ValueError("structured_outputs.json nests too deeply") from None
+        value = _json_value(spec.json, kind)
         if not isinstance(value, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema object")
+        return kind, json.dumps(value, ensure_ascii=False)
+    if kind == "structural_tag":
+        value = _json_value(spec.structural_tag, kind)
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs.structural_tag must be an object")
         return kind, json.dumps(value, ensure_ascii=False)
     if kind == "choice":
         return kind, json.dumps(spec.choice, ensure_ascii=False)

@@ -57,7 +57,7 @@ class CompileLimits:
         if kind == "choice" and len(spec.choice) > self.max_alternatives:
             raise ValueError(f"{field} has {len(spec.choice)} choices, over the limit of {self.max_alternatives} "
                              "(structured_max_alternatives)")
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
             self._check_schema(json.loads(text), field)
 
     def _check_schema(self, schema: Any, field: str) -> None:

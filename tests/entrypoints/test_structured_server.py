@@ -120,6 +120,23 @@ def test_guided_extras_and_structured_outputs(client):
             assert ok(text), (extra, text)
 
 
+def test_response_format_structural_tag(client):
+    schema = {"type": "object", "properties": {"act": {"enum": [1, 2, 3, 4, 5]}}, "required": ["act"],
+              "additionalProperties": False}
+    rf = {"type": "structural_tag", "format": {"type": "tag", "begin": "<act>", "end": "</act>",
+                                               "content": {"type": "json_schema", "json_schema": schema,
+                                                           "max_whitespace_cnt": 1}}}  # a random model pads
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, temperature=1.0, seed=2,
+                                       extra_body={"response_format": rf})
+    text = r.choices[0].message.content
+    assert re.fullmatch(r"<act>(.*)</act>", text, re.S) and json.loads(text[5:-6])["act"] in range(1, 6), text
+    legacy = {"type": "structural_tag", "structures": [{"begin": "<act>", "schema": schema, "end": "</act>"}],
+              "triggers": ["<act>"]}
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=1.0, seed=2,
+                                       extra_body={"response_format": legacy})
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
 def test_stream_and_non_stream_same_text(client):
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=60, temperature=1.0, seed=11,
               extra_body={"guided_json": {"type": "object", "properties": {"w": {"type": "string", "maxLength": 9}},
@@ -157,6 +174,9 @@ def test_one_process_compiles_and_caches(live):
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"structured_outputs": {"whitespace_pattern": "x"}}, "structured_outputs.whitespace_pattern"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<g>", "end": "</g>"}],
+                          "triggers": ["<f>"]}}, "response_format"),
 ])
 def test_bad_constraints_are_400_naming_the_field(live, body, field):
     for path, base in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "x"})):

@@ -139,3 +139,27 @@ def test_a_constraint_that_allows_no_output_is_refused(tokenizer, spec):
 
 def test_an_empty_but_finite_language_is_fine(tokenizer):
     manager(tokenizer).validate(S(grammar='root ::= ""'))  # only the end of text: allowed
+
+
+OBJ = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+
+
+def _accepts(backend, spec, text: str) -> bool:
+    return backend.matcher(backend.compile(spec)).accept_string(text)
+
+
+def test_structural_tag_constrains_the_tagged_part(tokenizer):
+    """vLLM's structural_tag (structures + triggers: free text, then the schema inside begin...end)
+    and xgrammar's newer format (one tag, nothing else)."""
+    b = manager(tokenizer).backend
+    legacy = S(structural_tag={"structures": [{"begin": "<f>", "schema": OBJ, "end": "</f>"}], "triggers": ["<f>"]})
+    assert _accepts(b, legacy, 'ROMEO: <f>{"a": 1}</f> and more')
+    assert not _accepts(b, legacy, 'ROMEO: <f>{"b": 1}')
+    newer = S(structural_tag=json.dumps({"format": {"type": "tag", "begin": "<f>", "end": "</f>",
+                                                    "content": {"type": "json_schema", "json_schema": OBJ}}}))
+    assert _accepts(b, newer, '<f>{"a": 7}</f>')
+    assert not _accepts(b, newer, "ROMEO")
+    for bad in ({"structures": [{"begin": "<g>", "schema": OBJ, "end": "</g>"}], "triggers": ["<f>"]},
+                {"structures": [], "triggers": ["<f>"]}, {"format": {"type": "nope"}}):
+        with pytest.raises(ValueError, match="^structured_outputs.structural_tag"):
+            b.compile(S(structural_tag=bad))

@@ -74,8 +74,12 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[JsonSchemaFormat] = None
+    # type structural_tag (vLLM's): begin / schema / end structures and their triggers, or xgrammar's format
+    structures: Optional[list[dict[str, Any]]] = None
+    triggers: Optional[list[str]] = None
+    format: Optional[dict[str, Any]] = None
 
 
 class PromptTokensDetails(BaseModel):

@@ -20,6 +20,13 @@ def request_constraint(req, error: Callable[[str, str], Exception]) -> tuple[Opt
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
             found.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif rf.type == "structural_tag":
+            tag = {k: v for k, v in (("structures", rf.structures), ("triggers", rf.triggers), ("format", rf.format))
+                   if v is not None}
+            if not tag:
+                raise error("response_format of type structural_tag needs structures and triggers (or format)",
+                            "response_format")
+            found.append(("response_format", _build({"structural_tag": tag}, "response_format", error)))
         else:
             js = rf.json_schema
             if js is None or js.json_schema is None:
@@ -32,10 +39,10 @@ def request_constraint(req, error: Callable[[str, str], Exception]) -> tuple[Opt
             found.append((name, _build({kind: value}, name, error)))
     so = getattr(req, "structured_outputs", None)
     if so is not None:
-        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object"})
+        unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag"})
         if unknown:
-            raise error(f"structured_outputs.{unknown[0]} is not supported (use json, regex, choice, grammar or "
-                        "json_object)", f"structured_outputs.{unknown[0]}")
+            raise error(f"structured_outputs.{unknown[0]} is not supported (use json, regex, choice, grammar, "
+                        "json_object or structural_tag)", f"structured_outputs.{unknown[0]}")
         found.append(("structured_outputs", _build(so, "structured_outputs", error)))
     if len(found) > 1:
         raise error(f"{found[1][0]} and {found[0][0]} both constrain the output: pass one", found[1][0])
