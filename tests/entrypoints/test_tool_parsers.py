@@ -109,6 +109,11 @@ FORMATS = {
                    '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]', None),
     "xlam": ('[{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
              '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]', None),
+    "internlm": ('Let me check.<|action_start|><|plugin|>\n{"name": "get_weather", "parameters": {"city": "Verona", '
+                 '"days": 2}}<|action_end|>\n<|action_start|><|plugin|>\n{"name": "add", "parameters": {"a": 1, '
+                 '"b": 2.5}}<|action_end|>', "Let me check."),
+    "jamba": ('Checking the tools. <tool_calls>[{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
+              '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]</tool_calls>', "Checking the tools."),
     "xlam_fenced": ('Sure.\n```json\n[{"name": "get_weather", "arguments": {"city": "Verona", "days": 2}}, '
                     '{"name": "add", "arguments": {"a": 1, "b": 2.5}}]\n```', "Sure."),
 }

@@ -682,6 +682,8 @@ class OpenAIServing:
         params = self.sampling_params(req, len(ids), max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                       req.prompt_logprobs, aliases=aliases)
         self._check_logprob_volume([(len(ids), params)], None, req.prompt_logprobs)
+        if getattr(plan.parser, "KEEPS_SPECIAL_TOKENS", False):  # its markers are special tokens (vLLM's parsers
+            params.skip_special_tokens = False                   # turn skip_special_tokens off for them too)
         if plan.constraint is not None:
             if params.structured_outputs is not None:
                 raise _bad_request(f"tool_choice {plan.mode!r} constrains the output, and so does "

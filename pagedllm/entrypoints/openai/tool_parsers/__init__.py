@@ -6,7 +6,13 @@ from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, ToolParser
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
-from pagedllm.entrypoints.openai.tool_parsers.json_array import GraniteToolParser, MistralToolParser, XLAMToolParser
+from pagedllm.entrypoints.openai.tool_parsers.json_array import (
+    GraniteToolParser,
+    InternLMToolParser,
+    JambaToolParser,
+    MistralToolParser,
+    XLAMToolParser,
+)
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.pythonic import Llama4PythonicToolParser, PythonicToolParser
 from pagedllm.entrypoints.openai.tool_parsers.tagged import DeepSeekV3ToolParser, Qwen3CoderToolParser
@@ -15,7 +21,7 @@ TOOL_PARSERS: dict[str, type] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
     "pythonic": PythonicToolParser, "llama4_pythonic": Llama4PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser, "qwen3_xml": Qwen3CoderToolParser, "deepseek_v3": DeepSeekV3ToolParser,
-    "granite": GraniteToolParser, "xlam": XLAMToolParser,
+    "granite": GraniteToolParser, "xlam": XLAMToolParser, "internlm": InternLMToolParser, "jamba": JambaToolParser,
 }
 
 

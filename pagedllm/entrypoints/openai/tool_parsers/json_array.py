@@ -1,8 +1,11 @@
 """Tool calls written as a JSON array of ``{"name", "arguments"}`` objects after a marker: Mistral
 (``[TOOL_CALLS][...]``, and its newer ``[TOOL_CALLS]name[ARGS]{...}``), Granite
-(``<|tool_call|>[...]`` / ``<tool_call>[...]``) and xLAM (a bare array, a ```json block or
-``[TOOL_CALLS]``). Text before the marker is content; an output whose calls do not parse comes
-back whole as content."""
+(``<|tool_call|>[...]`` / ``<tool_call>[...]``), xLAM (a bare array, a ```json block or
+``[TOOL_CALLS]``), Jamba (``<tool_calls>[...]</tool_calls>``) and InternLM2 (one
+``<|action_start|><|plugin|>{"name", "parameters"}<|action_end|>`` block per call). Text before
+the marker is content; an output whose calls do not parse comes back whole as content. Parsers
+whose markers are special tokens set ``KEEPS_SPECIAL_TOKENS``: the server then decodes with
+skip_special_tokens off while tools are active (as vLLM's parsers adjust the request)."""
 from __future__ import annotations
 
 import json
@@ -32,6 +35,7 @@ def _hold(text: str, markers: tuple[str, ...]) -> int:
 
 class MistralToolParser:
     MARKER = "[TOOL_CALLS]"
+    KEEPS_SPECIAL_TOKENS = True
     _ARGS = "[ARGS]"
 
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
@@ -118,3 +122,51 @@ class XLAMToolParser:
         if not stripped or stripped.startswith(("[", "{")):
             return len(text) - len(stripped)
         return _hold(text, self.MARKERS)
+
+
+class JambaToolParser:
+    """AI21 Jamba 1.5: ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>``."""
+
+    BEGIN, END = "<tool_calls>", "</tool_calls>"
+    KEEPS_SPECIAL_TOKENS = True
+
+    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+        i = text.find(self.BEGIN)
+        if i < 0:
+            return text, []
+        body = text[i + len(self.BEGIN):].partition(self.END)[0]
+        calls = calls_from_array(body)
+        if not calls:
+            return text, []
+        return text[:i].rstrip() or None, calls
+
+    def hold_from(self, text: str) -> int:
+        return _hold(text, (self.BEGIN,))
+
+
+class InternLMToolParser:
+    """InternLM2 / 2.5 chat: ``<|action_start|><|plugin|>\n{"name": ..., "parameters": {...}}<|action_end|>``,
+    one block per call."""
+
+    BEGIN, END = "<|action_start|><|plugin|>", "<|action_end|>"
+    KEEPS_SPECIAL_TOKENS = True
+
+    def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
+        i = text.find(self.BEGIN)
+        if i < 0:
+            return text, []
+        calls = []
+        for block in text[i:].split(self.BEGIN)[1:]:
+            body, _, rest = block.partition(self.END)
+            try:
+                obj, end = json.JSONDecoder().raw_decode(body.strip())
+            except ValueError:
+                return text, []
+            call = call_from_object(obj)
+            if call is None or body.strip()[end:].strip() or rest.strip():
+                return text, []
+            calls.append(call)
+        return text[:i].rstrip() or None, calls
+
+    def hold_from(self, text: str) -> int:
+        return _hold(text, (self.BEGIN,))
