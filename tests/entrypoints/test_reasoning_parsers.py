@@ -73,3 +73,35 @@ def test_server_reasoning_content(live):
     plain = httpx.post(live.url + "/v1/chat/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
                                                                "max_tokens": 3}, timeout=60).json()
     assert plain["choices"][0]["message"]["content"] is None  # deepseek_r1: reasoning until </think>
+
+
+def test_responses_reasoning_item(live):
+    """deepseek_r1 without </think>: the whole (random) output is reasoning, a reasoning item."""
+    import openai
+
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="tiny", input="2+2?", max_output_tokens=8, temperature=0)
+    r = client.responses.create(**kw)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+2?"}],
+                                          max_tokens=8, temperature=0).choices[0].message
+    assert [o.type for o in r.output] == ["reasoning"] and r.output[0].summary == []
+    assert r.output[0].content[0].text == chat.model_extra["reasoning_content"]
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 8
+    events = list(client.responses.create(stream=True, **kw))
+    types = [e.type for e in events]
+    assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == r.output[0].content[0].text
+    assert "response.reasoning_text.done" in types and "response.output_text.delta" not in types
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == 8
+
+
+def test_reasoning_token_count_is_the_first_prefix_holding_the_end(default_model):
+    from pagedllm.entrypoints.openai.responses import reasoning_token_count
+    from pagedllm.tokenizer.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(default_model)
+    ids = tok.encode("Two and two make four.</think>\n\nIt is four.", add_special_tokens=False)
+    linear = next(k for k in range(1, len(ids) + 1) if "</think>" in tok.decode(ids[:k]))
+    assert reasoning_token_count(tok, ids, "Two and two make four.", "It is four.") == linear < len(ids)
+    assert reasoning_token_count(tok, ids, "all of it", None) == len(ids)
+    assert reasoning_token_count(tok, ids, None, "It is four.") == 0

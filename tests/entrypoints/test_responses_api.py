@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -97,6 +98,27 @@ def test_stream_events(client):
     assert events[-4].text == text and final.usage.output_tokens == whole.usage.output_tokens
     assert final.status == whole.status and events[0].response.status == "in_progress"
     assert client.responses.retrieve(final.id).output_text == text  # streamed responses are stored too
+
+
+def test_output_text_logprobs_whole_and_streamed(client):
+    kw = dict(model="tiny", input="To be, or not", max_output_tokens=6, temperature=0,
+              include=["message.output_text.logprobs"], top_logprobs=2, reasoning={"effort": "low"})
+    whole = client.responses.create(**kw)
+    lps = whole.output[0].content[0].logprobs
+    chat = client.chat.completions.create(model="tiny", max_completion_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2, messages=[{"role": "user", "content": "To be, or not"}])
+    ref = chat.choices[0].logprobs.content
+    assert len(lps) == whole.usage.output_tokens == len(ref)
+    assert [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in lps] == \
+        [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in ref]
+    assert whole.top_logprobs == 2 and whole.reasoning.effort == "low"
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [t.token for t in streamed] == [t.token for t in lps]
+    assert [t.token for t in next(e for e in events if e.type == "response.output_text.done").logprobs] == \
+        [t.token for t in lps]
+    plain = client.responses.create(model="tiny", input="To be", max_output_tokens=2, top_logprobs=2)
+    assert plain.output[0].content[0].logprobs == []  # top_logprobs alone: no logprobs (as OpenAI)
 
 
 def test_json_schema_format(client):
@@ -201,7 +223,9 @@ def test_background_cancel_frees_the_engine(live, client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": "x", "max_output_tokens": 5000}, "max_output_tokens"),
-    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include[0]"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "store": False, "background": True}, "background"),
     ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
@@ -253,7 +277,7 @@ def test_auto_tool_calls_stream_as_function_call_items():
             pass
 
     async def run():
-        serving = ServingResponses(None)
+        serving = ServingResponses(SimpleNamespace(_reasoning_parser=lambda: None, tokenizer=None))
         entry = StoredResponse(ResponseObject(id="resp_1", model="m"), [], [])
         plan = tc.ToolPlan("auto", [], None, get_tool_parser("hermes"))
         return [c async for c in serving._stream(entry, Streams(), plan, 3)], serving

@@ -6,7 +6,11 @@ system message, never carried over to the next response, as OpenAI); ``text.form
 response_format, ``tools`` / ``tool_choice`` the chat tools (function tools only), and
 OpenAIServing.start_chat admits it. The output comes back as Responses output items (an
 assistant message with output_text, function_call items), whole or as the Responses stream
-events (response.created ... response.completed, each with its sequence_number).
+events (response.created ... response.completed, each with its sequence_number). With
+``--reasoning-parser`` the reasoning comes first as a reasoning item (streamed as
+response.reasoning_text.delta events) and counts as ``output_tokens_details.reasoning_tokens``;
+``include: ["message.output_text.logprobs"]`` fills output_text.logprobs (each with
+``top_logprobs`` alternatives), whole and per streamed delta.
 
 ``ResponseStore`` keeps stored responses (``store`` true, the default) in memory, bounded in
 count and in characters of conversation, oldest evicted first; ``store: false`` keeps nothing,
@@ -23,11 +27,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
+from pagedllm.entrypoints.openai import logprobs as lp_format
 from pagedllm.entrypoints.openai import tool_calls as tc
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream
 from pagedllm.entrypoints.openai.responses_protocol import (
-    FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage, OutputText, ResponseErrorInfo,
-    ResponseObject, ResponsesRequest, ResponseUsage,
+    FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage, OutputText, OutputTokensDetails,
+    ReasoningItem, ReasoningText, ResponseErrorInfo, ResponseObject, ResponsesRequest, ResponseUsage,
 )
 from pagedllm.entrypoints.openai.serving import APIError, _Choice, to_api_error
 
@@ -35,6 +41,8 @@ from pagedllm.entrypoints.openai.serving import APIError, _Choice, to_api_error
 _FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
                 "response_format": "text.format"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_INCLUDE_LOGPROBS = "message.output_text.logprobs"
+_THINK_END = "</think>"
 
 
 def _rename(e: APIError) -> APIError:
@@ -105,9 +113,28 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def output_logprobs(req: ResponsesRequest) -> Optional[int]:
+    """The top_logprobs alternatives per output token when ``include`` asks for output_text
+    logprobs (0 without top_logprobs), else None; another ``include`` entry is a 400."""
+    for i, name in enumerate(req.include or []):
+        if name != _INCLUDE_LOGPROBS:
+            raise _bad(f"include[{i}] {name!r} is not supported here (only {_INCLUDE_LOGPROBS!r})", f"include[{i}]")
+    return (req.top_logprobs or 0) if _INCLUDE_LOGPROBS in (req.include or []) else None
+
+
 def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
     body: dict[str, Any] = {"messages": messages, "model": req.model, "max_completion_tokens": req.max_output_tokens}
+    top = output_logprobs(req)
+    if top is not None:
+        body["logprobs"], body["top_logprobs"] = True, top
+    if req.reasoning is not None:
+        if req.reasoning.summary is not None or req.reasoning.generate_summary is not None:
+            field = "reasoning.summary" if req.reasoning.summary is not None else "reasoning.generate_summary"
+            raise _bad(f"{field} is not supported: this server writes no reasoning summaries (the reasoning itself "
+                       "comes as a reasoning item with --reasoning-parser)", field)
+        if req.reasoning.effort is not None:  # vLLM's rule: a chat template variable
+            body["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
     for name in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty", "stop", "parallel_tool_calls"):
         if getattr(req, name) is not None:
             body[name] = getattr(req, name)
@@ -144,6 +171,7 @@ class StoredResponse:
     size: int = 0
     task: Optional[asyncio.Task] = None  # a background response's generation
     streams: Any = None
+    top_logprobs: Optional[int] = None  # include output_text logprobs with this many alternatives (None: none)
 
 
 class ResponseStore:
@@ -184,9 +212,28 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _usage(prompt_len: int, output: int, cached: int) -> ResponseUsage:
+def _usage(prompt_len: int, output: int, cached: int, reasoning: int = 0) -> ResponseUsage:
     return ResponseUsage(input_tokens=prompt_len, output_tokens=output, total_tokens=prompt_len + output,
-                         input_tokens_details=InputTokensDetails(cached_tokens=cached))
+                         input_tokens_details=InputTokensDetails(cached_tokens=cached),
+                         output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning))
+
+
+def reasoning_token_count(tokenizer, token_ids: list[int], reasoning: Optional[str], content: Optional[str]) -> int:
+    """How many of the output's tokens are reasoning: none without reasoning, all when no content
+    follows it, else the shortest prefix whose text holds the closing ``</think>`` (found by
+    bisection: O(log n) decodes)."""
+    if not reasoning or tokenizer is None:
+        return 0
+    if content is None:
+        return len(token_ids)
+    lo, hi = 1, len(token_ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _THINK_END in tokenizer.decode(token_ids[:mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _finish(response: ResponseObject, reason: Optional[str]) -> None:
@@ -252,8 +299,9 @@ class ServingResponses:
             parallel_tool_calls=req.parallel_tool_calls is not False, store=req.store, background=req.background,
             text={"format": req.text.format.model_dump(by_alias=True, exclude_none=True)}
             if req.text is not None and req.text.format is not None else {"format": {"type": "text"}},
-            metadata=req.metadata or {}, user=req.user)
-        entry = StoredResponse(response, conversation, new_items)
+            metadata=req.metadata or {}, user=req.user, top_logprobs=req.top_logprobs,
+            reasoning=req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None)
+        entry = StoredResponse(response, conversation, new_items, top_logprobs=output_logprobs(req))
         if req.background:
             response.status = "queued"
             entry.streams = streams
@@ -282,17 +330,36 @@ class ServingResponses:
         finally:
             streams.close()
         response = entry.response
-        content, calls = tc.parse_output(plan, "".join(choice.text))
+        status = "incomplete" if choice.finish_reason == "length" else "completed"
+        text, thought = "".join(choice.text), None
+        thinking = self.serving._reasoning_parser()
+        if thinking is not None:  # --reasoning-parser: a reasoning item first, the rest is the reply
+            thought, rest = thinking.extract(text)
+            text = rest or ""
+            if thought:
+                response.output.append(ReasoningItem(id=_new_id("rs"), status="completed" if rest is not None
+                                                     else status, content=[ReasoningText(text=thought)]))
+        n_reasoning = reasoning_token_count(self.serving.tokenizer, choice.token_ids, thought,
+                                            text if thinking is None or text else None)
+        content, calls = tc.parse_output(plan, text)
         if content:
-            status = "incomplete" if choice.finish_reason == "length" else "completed"
+            lps = self._logprobs(entry, choice.token_ids[n_reasoning:], choice.logprobs[n_reasoning:])
             response.output.append(OutputMessage(id=_new_id("msg"), status=status,
-                                                 content=[OutputText(text=content)]))
+                                                 content=[OutputText(text=content, logprobs=lps)]))
         for call in tc.tool_calls(calls):
             response.output.append(FunctionCallItem(id=_new_id("fc"), call_id=call.id, name=call.function.name,
                                                     arguments=call.function.arguments))
-        response.usage = _usage(prompt_len, len(choice.token_ids), cached)
+        response.usage = _usage(prompt_len, len(choice.token_ids), cached, n_reasoning)
         _finish(response, choice.finish_reason)
         self._keep(entry)
+
+    def _logprobs(self, entry: StoredResponse, token_ids: list[int], logprobs: list) -> list[dict[str, Any]]:
+        """output_text.logprobs (token, logprob, bytes, top_logprobs) of these tokens, or [] when
+        the request did not include them."""
+        if entry.top_logprobs is None or not token_ids:
+            return []
+        table = lp_format.chat_logprobs(token_ids, logprobs, entry.top_logprobs, self.serving.tokenizer)
+        return [t.model_dump() for t in table.content]
 
     async def _background(self, entry: StoredResponse, streams, plan, prompt_len: int) -> None:
         entry.response.status = "in_progress"
@@ -311,27 +378,43 @@ class ServingResponses:
     async def _stream(self, entry: StoredResponse, streams, plan, prompt_len: int) -> AsyncIterator[str]:
         events = _EventWriter(entry.response)
         tools = tc.ToolStream(plan) if plan is not None and plan.active else None
-        ntok, cached, reason = 0, 0, None
+        thinking = self.serving._reasoning_parser()
+        split = ReasoningStream(thinking) if thinking is not None else None  # --reasoning-parser
+        token_ids: list[int] = []
+        pending: list[dict[str, Any]] = []  # logprobs of tokens whose text has not been sent yet
+        cached, reason = 0, None
         try:
             yield events.emit("response.created", response=entry.response.model_dump())
             yield events.emit("response.in_progress", response=entry.response.model_dump())
             async for _, out in streams:
                 cached = out.num_cached_tokens
                 for o in out.outputs:
-                    ntok += len(o.token_ids)
+                    token_ids.extend(o.token_ids)
+                    pending += self._logprobs(entry, list(o.token_ids), o.logprobs or [])
                     finished = o.finish_reason is not None
                     if finished:
                         reason = o.finish_reason
+                    text = o.text
+                    if split is not None:
+                        thought, text = split.feed(o.text, finished)
+                        if thought:
+                            for ev in events.reasoning(thought):
+                                yield ev
+                            if not text:
+                                pending = []  # reasoning tokens: no output_text logprobs
                     if tools is None:
-                        deltas = [(o.text, None)] if o.text else []
+                        deltas = [(text, None)] if text else []
                     else:
-                        deltas = [(d.content, d.tool_calls) for d in tools.feed(o.text, finished)]
+                        deltas = [(d.content, d.tool_calls) for d in tools.feed(text, finished)]
                     for text, calls in deltas:
-                        for ev in (events.text(text) if text else events.calls(calls or [])):
+                        for ev in (events.text(text, pending) if text else events.calls(calls or [])):
                             yield ev
+                        pending = []
             for ev in events.close_all("incomplete" if reason == "length" else "completed"):
                 yield ev
-            entry.response.usage = _usage(prompt_len, ntok, cached)
+            thought, rest = thinking.extract(split.text) if split is not None else (None, None)
+            entry.response.usage = _usage(prompt_len, len(token_ids), cached,
+                                          reasoning_token_count(self.serving.tokenizer, token_ids, thought, rest))
             _finish(entry.response, reason)
             self._keep(entry)
             kind = "response.incomplete" if entry.response.status == "incomplete" else "response.completed"
@@ -385,6 +468,7 @@ class _EventWriter:
         self.response = response
         self.seq = 0
         self.message: Optional[OutputMessage] = None
+        self.thought: Optional[ReasoningItem] = None  # the open reasoning item
         self.open_calls: dict[int, FunctionCallItem] = {}  # ToolStream call index -> its open item
 
     def emit(self, kind: str, **data: Any) -> str:
@@ -395,8 +479,37 @@ class _EventWriter:
     def _index(self, item) -> int:
         return next(i for i, x in enumerate(self.response.output) if x is item)
 
-    def text(self, delta: str) -> list[str]:
-        out = self._close_calls("completed")
+    def reasoning(self, delta: str) -> list[str]:
+        out = []
+        if self.thought is None:
+            self.thought = ReasoningItem(id=_new_id("rs"), status="in_progress", content=[])
+            self.response.output.append(self.thought)
+            idx = self._index(self.thought)
+            out.append(self.emit("response.output_item.added", output_index=idx, item=self.thought.model_dump()))
+            self.thought.content.append(ReasoningText(text=""))
+            out.append(self.emit("response.content_part.added", item_id=self.thought.id, output_index=idx,
+                                 content_index=0, part=self.thought.content[0].model_dump()))
+        self.thought.content[0].text += delta
+        out.append(self.emit("response.reasoning_text.delta", item_id=self.thought.id,
+                             output_index=self._index(self.thought), content_index=0, delta=delta))
+        return out
+
+    def _close_reasoning(self, status: str) -> list[str]:
+        r, self.thought = self.thought, None
+        return self._close_part(r, status, "response.reasoning_text.done") if r is not None else []
+
+    def _close_part(self, item, status: str, done: str, **extra) -> list[str]:
+        """The events that close an item of one text part: ``done`` (with the part's text),
+        content_part.done and output_item.done."""
+        idx, part = self._index(item), item.content[0]
+        item.status = status
+        return [self.emit(done, item_id=item.id, output_index=idx, content_index=0, text=part.text, **extra),
+                self.emit("response.content_part.done", item_id=item.id, output_index=idx, content_index=0,
+                          part=part.model_dump()),
+                self.emit("response.output_item.done", output_index=idx, item=item.model_dump())]
+
+    def text(self, delta: str, logprobs: list = ()) -> list[str]:
+        out = self._close_reasoning("completed") + self._close_calls("completed")
         if self.message is None:
             self.message = OutputMessage(id=_new_id("msg"), status="in_progress", content=[])
             self.response.output.append(self.message)
@@ -406,8 +519,10 @@ class _EventWriter:
             out.append(self.emit("response.content_part.added", item_id=self.message.id, output_index=idx,
                                  content_index=0, part=self.message.content[0].model_dump()))
         self.message.content[0].text += delta
+        self.message.content[0].logprobs.extend(logprobs)
         out.append(self.emit("response.output_text.delta", item_id=self.message.id,
-                             output_index=self._index(self.message), content_index=0, delta=delta, logprobs=[]))
+                             output_index=self._index(self.message), content_index=0, delta=delta,
+                             logprobs=list(logprobs)))
         return out
 
     def calls(self, deltas) -> list[str]:
@@ -415,7 +530,8 @@ class _EventWriter:
         for d in deltas:
             item = self.open_calls.get(d.index)
             if item is None:
-                out += self._close_message("completed") + self._close_calls("completed")
+                out += self._close_reasoning("completed") + self._close_message("completed") + \
+                    self._close_calls("completed")
                 item = FunctionCallItem(id=_new_id("fc"), call_id=d.id or tc.new_call_id(), status="in_progress",
                                         name=(d.function.name if d.function else None) or "", arguments="")
                 self.open_calls[d.index] = item
@@ -433,13 +549,7 @@ class _EventWriter:
         m, self.message = self.message, None
         if m is None:
             return []
-        idx, part = self._index(m), m.content[0]
-        m.status = status
-        return [self.emit("response.output_text.done", item_id=m.id, output_index=idx, content_index=0,
-                          text=part.text, logprobs=[]),
-                self.emit("response.content_part.done", item_id=m.id, output_index=idx, content_index=0,
-                          part=part.model_dump()),
-                self.emit("response.output_item.done", output_index=idx, item=m.model_dump())]
+        return self._close_part(m, status, "response.output_text.done", logprobs=m.content[0].logprobs)
 
     def _close_calls(self, status: str) -> list[str]:
         out = []
@@ -454,4 +564,4 @@ class _EventWriter:
         return out
 
     def close_all(self, status: str) -> list[str]:
-        return self._close_message(status) + self._close_calls(status)
+        return self._close_reasoning(status) + self._close_message(status) + self._close_calls(status)

@@ -3,7 +3,10 @@ and stream events as the openai SDK reads them (``openai.types.responses``).
 
 As the chat and completion requests, a request refuses what this server does not implement
 (400 naming the field): built-in tools (web search, file search, computer use, MCP), stored
-prompts, conversations, ``include``, ``reasoning``, ``truncation: "auto"``, ``max_tool_calls``.
+prompts, conversations, ``include`` entries other than ``message.output_text.logprobs``,
+``reasoning.summary``, ``truncation: "auto"``, ``max_tool_calls``. ``reasoning.effort`` goes to
+the chat template as ``reasoning_effort`` (vLLM's rule); reasoning items come from
+``--reasoning-parser``.
 Input items are plain objects here and are checked item by item in responses.py, so an error
 names ``input[i].field``.
 """
@@ -44,6 +47,12 @@ class ResponsesText(_Request):
     format: Optional[ResponsesTextFormat] = None
 
 
+class ResponsesReasoning(_Request):
+    effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None  # refused: no summaries here
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None  # its older name, refused too
+
+
 class ResponsesStreamOptions(_Request):
     include_obfuscation: Optional[bool] = None  # accepted: this server never pads events (no obfuscation field)
 
@@ -65,6 +74,10 @@ class ResponsesRequest(_Request):
     stream: bool = False
     stream_options: Optional[ResponsesStreamOptions] = None
     truncation: Optional[Literal["disabled"]] = None
+    # include ["message.output_text.logprobs"]: output_text.logprobs, with top_logprobs alternatives
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
+    reasoning: Optional[ResponsesReasoning] = None
     # OpenAI billing / routing fields: accepted and ignored, as in chat completions (docs/usage.md)
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
@@ -105,7 +118,22 @@ class FunctionCallItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
 
 
-OutputItem = Union[OutputMessage, FunctionCallItem]
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """The model's reasoning (``--reasoning-parser``): its text as a reasoning_text part, no summary."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = Union[ReasoningItem, OutputMessage, FunctionCallItem]
 
 
 class InputTokensDetails(BaseModel):
@@ -154,6 +182,8 @@ class ResponseObject(BaseModel):
     top_p: Optional[float] = None
     tool_choice: Union[str, dict[str, Any]] = "auto"
     tools: list[dict[str, Any]] = Field(default_factory=list)
+    top_logprobs: Optional[int] = None
+    reasoning: Optional[dict[str, Any]] = None
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
     truncation: Literal["disabled"] = "disabled"
     store: bool = True
