@@ -201,7 +201,8 @@ class SchedulerStats:
     spec_accepted_per_pos: tuple[int, ...] = ()
     kv_tier: Optional[KVTierStats] = None  # the KV offload tier's counters (None: no tier)
     # Waiting requests the last step set aside (an admission constraint held them: LoRA slots, a
-    # batch in flight) rather than left for lack of room (vLLM's num_requests_waiting_by_reason).
+    # batch in flight, a grammar still compiling) rather than left for lack of room (vLLM's
+    # num_requests_waiting_by_reason).
     num_waiting_deferred: int = 0
 
 

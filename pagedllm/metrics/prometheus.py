@@ -67,8 +67,8 @@ class PrometheusMetrics:
         self.num_waiting = gauge(f"{prefix}:num_requests_waiting", "Requests waiting to be scheduled.")
         _, self._waiting_by = by(Gauge, f"{prefix}:num_requests_waiting_by_reason", "Waiting requests by reason: "
                                  "'capacity' = waiting for room in the batch or the KV cache; 'deferred' = set aside "
-                                 "by an admission constraint (LoRA slots, a batch in flight). Sums to "
-                                 "num_requests_waiting.", "reason", ("capacity", "deferred"))
+                                 "(LoRA slots, a batch in flight, a grammar still compiling, blocks loading from "
+                                 "the KV offload tier). Sums to num_requests_waiting.", "reason", ("capacity", "deferred"))
         _, sleep = by(Gauge, f"{prefix}:engine_sleep_state", "Engine sleep state (this engine has no sleep mode: "
                       "awake is always 1).", "sleep_state", tuple(_SLEEP_STATES))
         for state, value in _SLEEP_STATES.items():
