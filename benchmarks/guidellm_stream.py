@@ -69,11 +69,14 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--guidellm", default=None, help="the guidellm executable (default: on PATH)")
     args = ap.parse_args()
-    guidellm = shutil.which("guidellm")
-    if guidellm is None:
+    guidellm = args.guidellm or shutil.which("guidellm")
+    if guidellm is None or not os.path.exists(guidellm):
         print("guidellm is not installed (pip install guidellm): nothing run", file=sys.stderr)
         return 2
+    model_dir = args.model or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models",
+                                           "tiny-shakespeare")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     load_before = open("/proc/loadavg").read().split()[:3]
@@ -85,10 +88,15 @@ def main() -> int:
         wait_healthy(url, server)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "report.json")
-            run = subprocess.run([guidellm, "benchmark", "--target", url, "--model", "bench",
-                                  "--rate-type", "synchronous", "--max-requests", str(args.max_requests),
-                                  "--data", f"prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
-                                  "--output-path", out], capture_output=True, text=True)
+            # guidellm 0.8's CLI: kind=...,field=... specs; the tokenizer is the model's own (no hub)
+            run = subprocess.run([guidellm, "run", "--backend", f"kind=openai_http,target={url},model=bench",
+                                  "--profile", "kind=synchronous",
+                                  "--constraint", f"kind=max_requests,count={args.max_requests}",
+                                  "--tokenizer", f"kind=huggingface_auto,model={model_dir}",
+                                  "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},"
+                                            f"output_tokens={args.output_tokens}",
+                                  "--output", f"kind=json,path={out}", "--disable-console-interactive"],
+                                 capture_output=True, text=True)
             if run.returncode != 0 or not os.path.exists(out):
                 print(run.stdout[-2000:], run.stderr[-2000:], sep="\n", file=sys.stderr)
                 return 1
