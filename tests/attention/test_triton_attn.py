@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from triton_aot import COMPILE_RECORDED_CALLS, run_aot_script
+from triton_aot import COMPILE_RECORDED_CALLS, aot_compile, check_background_aot  # noqa: F401 (aot_compile: autouse)
 
 import triton_mode
 from triton_mode import NATIVE
@@ -482,8 +482,8 @@ launch([(64, 64), (40, 1)], torch.bfloat16, 8, 64, 16, kv_heads=1, alibi=True)  
 """ + COMPILE_RECORDED_CALLS
 
 
-def test_compiles_for_sm90_without_gpu(tmp_path):
-    run_aot_script(tmp_path, _AOT_SCRIPT)
+def test_compiles_for_sm90_without_gpu(aot_compile):  # started with the module's first test (triton_aot.py)
+    check_background_aot(aot_compile)
 
 
 def test_decode_graph_runner_padded_static_buffers_match_eager(tmp_path):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from triton_aot import COMPILE_RECORDED_CALLS, run_aot_script
+from triton_aot import COMPILE_RECORDED_CALLS, aot_compile, check_background_aot  # noqa: F401 (aot_compile: autouse)
 
 import triton_mode
 from triton_mode import NATIVE
@@ -511,5 +511,5 @@ for dt in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16):
 """ + COMPILE_RECORDED_CALLS
 
 
-def test_compiles_for_sm90_without_gpu(tmp_path):
-    run_aot_script(tmp_path, _AOT_SCRIPT)
+def test_compiles_for_sm90_without_gpu(aot_compile):  # started with the module's first test (triton_aot.py)
+    check_background_aot(aot_compile)
