@@ -6,7 +6,7 @@ continuing requests as (new block ids, computed count).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -61,6 +61,10 @@ class CachedRequestData:
     # Speculative decoding: trailing block ids to drop (rejected drafts' blocks went back to the
     # pool) before appending new_block_ids.
     num_dropped_block_ids: int = 0
+    # Pipeline parallelism: the ids sampled since the workers last saw the request (the last
+    # stage samples and appends nothing; every stage learns them here). Empty otherwise: the
+    # sampling rank appended them itself.
+    new_token_ids: Sequence[int] = ()
 
 
 # ---- the KV offload tier (core/kv_tier.py plans, worker/kv_tier/ runs) ---------------------------

@@ -61,6 +61,8 @@ class SchedulerLimits:
     # > 1: batches in flight at once (pipeline stages, an asynchronous executor), each with at most
     # 1/this of the requests, none of a batch still in flight
     max_batches_in_flight: int = 1
+    # pipeline parallelism: workers learn sampled ids from the diffs (CachedRequestData.new_token_ids)
+    send_new_token_ids: bool = False
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (core/scheduling_policy.py)
 
 
@@ -85,7 +87,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()  # to tell workers next step
         self._preempted_ids: set[str] = set()  # workers drop these next step (preempted or rewound)
-        self._sent_to_workers: set[str] = set()
+        self._sent_to_workers: dict[str, int] = {}  # request id -> the tokens the workers hold of it
         self._failed: list[EngineCoreOutput] = []  # finished while scheduled, for take_failed()
         self.grammars = grammars
         self.num_preemptions = 0
@@ -226,7 +228,7 @@ class Scheduler:
         for rid, n in plan.num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         for nr in plan.new_reqs:
-            self._sent_to_workers.add(nr.req_id)
+            self._sent_to_workers[nr.req_id] = len(nr.token_ids)
         total = sum(plan.num_scheduled.values())
         self.num_scheduled_tokens_total += total
         if total:
@@ -300,7 +302,7 @@ class Scheduler:
             r.status = RequestStatus.PREEMPTED
             r.num_computed_tokens = 0
             r.num_preemptions += count
-            self._sent_to_workers.discard(r.request_id)
+            self._sent_to_workers.pop(r.request_id, None)
             self._preempted_ids.add(r.request_id)
         self.num_preemptions += count
         self.policy.requeue(self.waiting, reqs)
@@ -358,9 +360,14 @@ class Scheduler:
 
     def send(self, req: Request, plan: StepPlan, new_block_ids: Optional[list[int]] = None) -> None:
         """What the workers get for a scheduled request: in full when they do not hold it, else the diff."""
-        if req.request_id in self._sent_to_workers:
-            plan.cached_reqs.append(CachedRequestData(req.request_id, new_block_ids or [], req.num_computed_tokens,
-                                                      self.look_ahead.take_dropped_blocks(req.request_id)))
+        rid = req.request_id
+        held = self._sent_to_workers.get(rid)
+        if held is not None:
+            new_ids = req.all_token_ids[held:] if self.limits.send_new_token_ids else ()
+            if new_ids:
+                self._sent_to_workers[rid] = req.num_tokens
+            plan.cached_reqs.append(CachedRequestData(rid, new_block_ids or [], req.num_computed_tokens,
+                                                      self.look_ahead.take_dropped_blocks(rid), new_ids))
         else:
             plan.new_reqs.append(self.new_request_data(req))
 
@@ -388,9 +395,8 @@ class Scheduler:
         self.release(req)
         self.look_ahead.forget(req.request_id)
         self.requests.pop(req.request_id, None)
-        if req.request_id in self._sent_to_workers:
+        if self._sent_to_workers.pop(req.request_id, None) is not None:
             self._finished_ids.add(req.request_id)
-            self._sent_to_workers.discard(req.request_id)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """A plain request ends (running or waiting)."""

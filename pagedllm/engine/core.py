@@ -74,6 +74,7 @@ class EngineCore:
             max_loras=config.max_loras if config.enable_lora else 0,
             max_loras_per_step=config.max_loras_per_step or 0,
             max_batches_in_flight=1 if self.async_scheduling else self.batch_depth,
+            send_new_token_ids=config.pipeline_parallel_size > 1,  # the last stage samples, the others learn the ids
             scheduling_policy=config.scheduling_policy,
             **spec_limits,
         )

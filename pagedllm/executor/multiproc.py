@@ -8,7 +8,7 @@ logprobs) and broadcasts the sampled ids so every rank's request state stays ide
 
 Pipeline parallelism (``pipeline_parallel_size`` P > 1; world = P x TP, stage-major ranks, see
 distributed/parallel_state.py): rank 0 runs stage 0 and broadcasts each step as
-(SchedulerOutput, ids sampled since the last step); each stage receives the previous
+its SchedulerOutput (the ids sampled by earlier steps in its diffs); each stage receives the previous
 stage's hidden states, runs its layers and sends its own on; the last stage's tp rank 0 samples
 and sends the ModelRunnerOutput to rank 0. ``submit`` returns once stage 0 has sent its part and
 ``collect`` waits for the oldest step's output, so the engine keeps up to P steps in flight
@@ -93,12 +93,8 @@ def run_worker_rank(config, hf_config, max_model_len, max_num_batched_tokens, ra
         dist.broadcast_object_list(msg, src=0, group=group.world_cpu_group)
         if msg[0] == _SHUTDOWN:
             break
-        if pp.world_size == 1:
-            worker.execute(msg[0])
-            continue
-        so, new_tokens = msg[0]
-        out = worker.execute_stage(so, new_tokens)
-        if rank == pp.sampler_rank:
+        out = worker.execute(msg[0])
+        if pp.world_size > 1 and rank == pp.sampler_rank:
             pp.send_object(out, dst=0)
     pp.wait_sends()
     dist.destroy_process_group()
@@ -182,7 +178,6 @@ class MultiprocExecutor:
             raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide one another")
         if self.pp_size > 1:
             stage_partition(config, hf_config)  # a bad pp_layer_partition fails here, before any process starts
-        self._new_tokens: dict[str, list[int]] = {}  # pipeline parallel: sampled ids the stages have not seen yet
         self._in_flight = 0
         self.procs = []
         args = (config, hf_config, max_model_len, max_num_batched_tokens)
@@ -281,11 +276,10 @@ class MultiprocExecutor:
         if self._dead:
             raise RuntimeError("a pipeline-parallel worker died earlier; the engine cannot continue")
         self._check_alive()
-        new_tokens, self._new_tokens = self._new_tokens, {}
         try:
-            dist.broadcast_object_list([(scheduler_output, new_tokens)], src=0,  # the last stage samples: with the masks
+            dist.broadcast_object_list([scheduler_output], src=0,  # the last stage samples: with the masks
                                        group=self.group.world_cpu_group)
-            self.worker.execute_stage(scheduler_output, new_tokens)
+            self.worker.execute(scheduler_output)
         except Exception as e:
             self._dead = True
             raise RuntimeError(f"pipeline-parallel step failed (workers alive: {[p.is_alive() for p in self.procs]}): "
@@ -324,9 +318,6 @@ class MultiprocExecutor:
         if isinstance(out, Exception):
             self._dead = True
             raise RuntimeError(f"pipeline-parallel step failed: {out}") from out
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
-            if toks:
-                self._new_tokens.setdefault(rid, []).extend(toks)
         return out
 
     def _death_note(self) -> str:

@@ -15,7 +15,7 @@ A step: the SchedulerOutput goes to every actor (one ``ray.put``); all run the f
 (the collectives happen inside it); rank 0 samples and returns the output. Pipeline parallelism
 (world = pipeline x tensor parallel size, stage-major): each actor runs its stage's part (hidden
 states go actor to actor over torch.distributed), the last stage's tp rank 0 samples and returns
-the output; ``submit`` only sends the step (with the ids sampled since the last one), so up to
+the output; ``submit`` only sends the step (its diffs carry the ids sampled since), so up to
 pipeline_parallel_size steps run at once, and ``collect`` waits for the oldest. An actor runs
 its steps in submission order (a sequence number; it has a thread per step in flight). Failure: each actor
 also runs a ``sentinel`` call that never returns while it lives; a monitor thread waits on them,
@@ -92,14 +92,14 @@ class RayWorker:
             return None
         return out, self.worker.runner.num_forward_tokens
 
-    def execute_stage(self, seq: int, scheduler_output, new_tokens=None):
+    def execute_stage(self, seq: int, scheduler_output):
         """Pipeline parallelism: this rank's part of step ``seq`` (run strictly in order)."""
         from pagedllm.distributed.parallel_state import get_pp_group
 
         with self._turn:
             self._turn.wait_for(lambda: self._next_seq == seq)
         try:
-            out = self.worker.execute_stage(scheduler_output, new_tokens)
+            out = self.worker.execute(scheduler_output)
         finally:
             with self._turn:
                 self._next_seq += 1
@@ -147,7 +147,6 @@ class RayExecutor:
         self._sampler = (self.pp_size - 1) * config.tensor_parallel_size  # the rank that returns outputs
         self._steps: collections.deque = collections.deque()  # pipeline parallel: refs of steps in flight
         self._seq = 0
-        self._new_tokens: dict[str, list[int]] = {}
         self._own_ray = not ray.is_initialized()  # joined (or started) here: left again at shutdown
         if self._own_ray:
             ray.init(ignore_reinit_error=True, log_to_driver=True)
@@ -255,18 +254,13 @@ class RayExecutor:
         if self._dead_reason is not None:
             raise RuntimeError(f"{self._dead_reason}; the engine cannot continue")
         steps = self._put(scheduler_output, self._sampler)
-        new_tokens, self._new_tokens = self._new_tokens, {}
-        refs = [a.execute_stage.remote(self._seq, so, new_tokens) for so, a in zip(steps, self.actors)]
+        refs = [a.execute_stage.remote(self._seq, so) for so, a in zip(steps, self.actors)]
         self._seq += 1
         self._steps.append(refs)
 
     def collect(self) -> ModelRunnerOutput:
         """The oldest submitted step's output."""
-        out = self._wait_step(self._steps.popleft(), self._sampler)
-        for rid, toks in zip(out.req_ids, out.sampled_token_ids):
-            if toks:
-                self._new_tokens.setdefault(rid, []).extend(toks)
-        return out
+        return self._wait_step(self._steps.popleft(), self._sampler)
 
     def _wait_step(self, refs: list, result_rank: int) -> ModelRunnerOutput:
         ray = self._ray

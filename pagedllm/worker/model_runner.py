@@ -17,10 +17,10 @@ output, ranks > 0 drop theirs. Seeded generators likewise live on rank 0 only.
 
 Under pipeline parallelism a stage runs its own layers: it receives the previous stage's
 intermediate tensors before its forward and sends its own to the next stage after it; only tp
-rank 0 of the last stage samples, and it appends nothing: the driver passes every stage the
-sampled ids of earlier steps with a later step (``apply_new_tokens``), before any step that
-schedules those requests again, so all stages keep the same request states without waiting on
-one another.
+rank 0 of the last stage samples, and it appends nothing: the scheduler sends every stage the
+ids sampled by earlier steps in the diffs of the step that schedules those requests again
+(CachedRequestData.new_token_ids), so all stages keep the same request states without waiting
+on one another.
 
 Each feature's part of the step is a plug-in given at construction (worker/runner_plugins.py):
 LoRA, speculative decoding and CUDA graphs; the forward path (eager, graphs, pipeline stage) is
@@ -85,7 +85,7 @@ class ModelRunner:
         eager = EagerForward(model, self.lora)
         self._forward_path = (PipelineStageForward(model, self.pp, device) if self.pp is not None
                               else GraphForward(plugins.graphs, eager) if plugins.graphs is not None else eager)
-        # pipeline parallelism: the driver passes the sampled ids to every stage (apply_new_tokens)
+        # pipeline parallelism: every stage gets the sampled ids in the diffs (new_token_ids)
         self._share_sampled = self.tp.share_sampled if self.pp is None else _keep
         self._ends_at_stage = self.pp is not None and not self.pp.is_last  # the next stage goes on
         # a multimodal model: its requests' images and the encoder outputs their prefill still needs
@@ -130,14 +130,6 @@ class ModelRunner:
         return {"failed_kv_loads": failed, "kv_transfer_seconds": seconds}
 
     # ---- 1. state diffs ---------------------------------------------------------------------
-    def apply_new_tokens(self, new_tokens: dict[str, list[int]]) -> None:
-        """Pipeline parallelism: ids sampled by earlier steps (before this step's diffs)."""
-        for rid, toks in new_tokens.items():
-            st = self.requests.get(rid)
-            if st is not None:
-                st.token_ids.extend(toks)
-                self.batch.append_tokens(st.row, toks)
-
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self._drop(rid)
@@ -174,6 +166,9 @@ class ModelRunner:
         table = self.block_table
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
+            if cr.new_token_ids:  # pipeline parallelism: ids sampled by earlier steps
+                st.token_ids.extend(cr.new_token_ids)
+                self.batch.append_tokens(st.row, cr.new_token_ids)
             if cr.new_block_ids or cr.num_dropped_block_ids:  # dropped: blocks of rejected drafts went back
                 table.append(st.row, cr.new_block_ids, cr.num_dropped_block_ids)
             st.num_computed_tokens = cr.num_computed_tokens

@@ -368,16 +368,8 @@ class Worker:
         return lambda generator: SpecDecoder(self.config.speculative_config, generator, self.drafter)
 
     def execute(self, scheduler_output):
-        if self.thread_governor is not None:
-            self.thread_governor.tick()
-        return self.runner.execute(scheduler_output)
-
-    def execute_stage(self, scheduler_output, new_tokens=None):
-        """Pipeline parallelism: this stage's part of a step, after the ids sampled by earlier
-        steps (``new_tokens``, request id -> ids) joined the request states. The last stage's
-        sampling rank returns the step's output; the other ranks' outputs carry no tokens."""
-        if new_tokens:
-            self.runner.apply_new_tokens(new_tokens)
+        """One step (pipeline parallelism: this stage's part of it; the last stage's sampling
+        rank returns the step's output, the other ranks' outputs carry no tokens)."""
         if self.thread_governor is not None:
             self.thread_governor.tick()
         return self.runner.execute(scheduler_output)
