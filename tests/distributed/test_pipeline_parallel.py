@@ -3,10 +3,12 @@ under preemption, with prefix caching, chunked prefills, logprobs and seeded sam
 stage holds only its layers and a KV cache sized by them; uneven and bad pp_layer_partition; a
 dead stage fails the engine fast."""
 import os
+from types import SimpleNamespace
 
 import pytest
 
 from dead_rank import assert_killed_rank_fails_fast
+from one_engine import OneEngine
 from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
@@ -25,19 +27,37 @@ def ckpt(tmp_path_factory):
     return make_checkpoint(str(tmp_path_factory.mktemp("pp") / "llama4"), "llama", layers=4, heads=4, kv_heads=2)
 
 
+ENGINES = OneEngine(dtype="float32", kv_cache_memory=4 << 20)  # PP engines; consecutive tests share one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engines():
+    yield
+    ENGINES.close()
+
+
 def run(path, prompts=PROMPTS, sp=SP, **kw):
-    """(token ids per request, stats, executor facts) of one engine; asserts no block leaked."""
+    """(RequestOutputs, this run's preemptions and prefix-cache hits, executor facts) of an engine
+    with these settings (pipeline parallel ones shared through ENGINES); asserts no block leaked."""
     kw.setdefault("kv_cache_memory", 4 << 20)
-    llm = LLM(model=path, dtype="float32", **kw)
+    if kw.get("pipeline_parallel_size", 1) * kw.get("tensor_parallel_size", 1) > 1:
+        llm, owned = ENGINES.get(model=path, **kw), False
+    else:
+        ENGINES.close()  # a single-process engine resets the process's pipeline group (one_engine.py)
+        llm, owned = LLM(model=path, dtype="float32", **kw), True
     try:
+        before = llm.get_stats()
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
         stats = llm.get_stats()
         ex = llm.engine.core.executor
         facts = {"weights": ex.weight_bytes_per_rank, "blocks": ex.num_blocks}
     finally:
-        llm.engine.shutdown()
+        if owned:
+            llm.engine.shutdown()
     assert stats.num_free_blocks == stats.num_total_blocks
-    return outs, stats, facts
+    counts = SimpleNamespace(num_preemptions=stats.num_preemptions - before.num_preemptions,
+                             prefix_cache_hits=stats.prefix_cache_hits - before.prefix_cache_hits)
+    return outs, counts, facts
 
 
 def greedy(path, prompts=PROMPTS, sp=SP, **kw):
@@ -58,33 +78,34 @@ def test_pp2_matches_pp1_with_half_the_weights_and_cache_per_stage(ckpt, referen
     assert two["blocks"] == 2 * one["blocks"]  # each stage caches 2 of the 4 layers in the same memory
 
 
-def test_pp2_tp2_matches_pp1(ckpt, reference):
-    got, _, facts = greedy(ckpt, pipeline_parallel_size=2, tensor_parallel_size=2)
-    assert got == reference[0]
-    assert len(facts["weights"]) == 4
+def test_abort_while_in_flight(ckpt, reference):
+    """A request aborted while its batch is in flight: its late output is dropped, the others
+    finish with PP=1's tokens, every block comes back, and its id is reusable."""
+    engine = ENGINES.get(model=ckpt, pipeline_parallel_size=2).engine  # test_pp2_matches_pp1's (the 4 requests fit)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": p}, SP)
+    done: dict = {}
+    for _ in range(4):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    in_flight = engine.core.scheduler.in_flight
+    assert in_flight
+    victim = sorted(in_flight)[0]
+    engine.abort_request([victim])
+    while engine.has_unfinished_requests() or engine.core.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    others = [str(i) for i in range(len(PROMPTS)) if str(i) != victim]
+    assert [done[r].outputs[0].token_ids for r in others] == [reference[0][int(r)] for r in others]
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and not in_flight
+    engine.add_request(victim, {"prompt_token_ids": PROMPTS[int(victim)]}, SP)
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[victim].outputs[0].token_ids == reference[0][int(victim)]
 
 
-def test_uneven_partition_and_chunked_prefill(ckpt, reference):
-    """3 layers on stage 0, 1 on stage 1; a 32-token budget splits the long prompts; the cache
-    holds what the 3-layer stage fits (every stage uses the same block count)."""
-    got, stats, facts = greedy(ckpt, pipeline_parallel_size=2, pp_layer_partition="3,1", max_num_batched_tokens=32)
-    assert got == reference[0]
-    assert facts["weights"][0] > 2 * facts["weights"][1] * 0.9
-    assert facts["blocks"] == int(reference[2]["blocks"] * 4 / 3)
-
-
-def test_pp2_under_preemption_and_with_prefix_caching(ckpt):
-    prompts = random_prompts((70, 70, 70, 70), seed=12)
-    prompts += [p[:64] + [5, 6, 7] for p in prompts[:2]]  # share 4 full blocks with earlier prompts
-    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want, _, _ = greedy(ckpt, prompts, sp)
-    # per stage: 2 layers x 2 kv heads x 16 dims x 4 B x 2 = 512 B/token -> 24 blocks of 16 tokens
-    got, stats, _ = greedy(ckpt, prompts, sp, pipeline_parallel_size=2, kv_cache_memory=512 * 16 * 24,
-                           max_model_len=128)
-    assert stats.num_preemptions > 0
-    assert got == want
-    got, stats, _ = greedy(ckpt, prompts, sp, pipeline_parallel_size=2, max_num_seqs=2)
-    assert got == want and stats.prefix_cache_hits > 0
+def test_dead_stage_fails_fast(ckpt):
+    llm = ENGINES.get(model=ckpt, pipeline_parallel_size=2)  # the tests' above, used up here (then replaced)
+    assert_killed_rank_fails_fast(llm, PROMPTS[:2], SP)
 
 
 def test_pp2_logprobs_and_seeded_sampling_match_pp1(ckpt):
@@ -103,10 +124,48 @@ def test_pp2_logprobs_and_seeded_sampling_match_pp1(ckpt):
     assert two[0].prompt_logprobs is not None and len(two[0].prompt_logprobs) == len(one[0].prompt_logprobs)
 
 
+def test_pp2_tp2_matches_pp1(ckpt, reference):
+    got, _, facts = greedy(ckpt, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert got == reference[0]
+    assert len(facts["weights"]) == 4
+
+
+def test_uneven_partition_and_chunked_prefill(ckpt, reference):
+    """3 layers on stage 0, 1 on stage 1; a 32-token budget splits the long prompts; the cache
+    holds what the 3-layer stage fits (every stage uses the same block count)."""
+    got, stats, facts = greedy(ckpt, pipeline_parallel_size=2, pp_layer_partition="3,1", max_num_batched_tokens=32)
+    assert got == reference[0]
+    assert facts["weights"][0] > 2 * facts["weights"][1] * 0.9
+    assert facts["blocks"] == int(reference[2]["blocks"] * 4 / 3)
+
+
+SHARING = random_prompts((70, 70, 70, 70), seed=12)
+SHARING += [p[:64] + [5, 6, 7] for p in SHARING[:2]]  # share 4 full blocks with earlier prompts
+SHARING_SP = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sharing_reference(ckpt):
+    return greedy(ckpt, SHARING, SHARING_SP)[0]
+
+
+def test_pp2_under_preemption(ckpt, sharing_reference):
+    # per stage: 2 layers x 2 kv heads x 16 dims x 4 B x 2 = 512 B/token -> 24 blocks of 16 tokens
+    got, stats, _ = greedy(ckpt, SHARING, SHARING_SP, pipeline_parallel_size=2, kv_cache_memory=512 * 16 * 24,
+                           max_model_len=128)
+    assert stats.num_preemptions > 0
+    assert got == sharing_reference
+
+
+def test_pp2_with_prefix_caching(ckpt, sharing_reference):
+    got, stats, _ = greedy(ckpt, SHARING, SHARING_SP, pipeline_parallel_size=2, max_num_seqs=2)
+    assert got == sharing_reference and stats.prefix_cache_hits > 0
+
+
 def test_pp_batches_overlap_and_never_repeat_a_request_in_flight(ckpt, reference):
     """Two batches in flight (one per stage); a batch never schedules a request whose previous
     batch has not come back; outputs are applied in order (PP=1's tokens)."""
-    llm = LLM(model=ckpt, dtype="float32", pipeline_parallel_size=2, kv_cache_memory=4 << 20, max_num_seqs=2)
+    llm = ENGINES.get(model=ckpt, pipeline_parallel_size=2, max_num_seqs=2)  # test_pp2_with_prefix_caching's
     core = llm.engine.core
     ex = core.executor
     depths, submit = [], ex.submit
@@ -120,41 +179,10 @@ def test_pp_batches_overlap_and_never_repeat_a_request_in_flight(ckpt, reference
     try:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
     finally:
-        llm.engine.shutdown()
+        del ex.submit  # the shared engine's own method again
     assert [o.outputs[0].token_ids for o in outs] == reference[0]
     assert max(depths) == 1  # a second batch was submitted while one was in flight
     assert not core.scheduler.in_flight
-
-
-def test_abort_while_in_flight(ckpt, reference):
-    """A request aborted while its batch is in flight: its late output is dropped, the others
-    finish with PP=1's tokens, every block comes back, and its id is reusable."""
-    from pagedllm.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=ckpt, dtype="float32", pipeline_parallel_size=2,
-                                    kv_cache_memory=4 << 20, max_num_seqs=4), skip_tokenizer_init=True)
-    try:
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": p}, SP)
-        done: dict = {}
-        for _ in range(4):
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        in_flight = engine.core.scheduler.in_flight
-        assert in_flight
-        victim = sorted(in_flight)[0]
-        engine.abort_request([victim])
-        while engine.has_unfinished_requests() or engine.core.has_unfinished_requests():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        others = [str(i) for i in range(len(PROMPTS)) if str(i) != victim]
-        assert [done[r].outputs[0].token_ids for r in others] == [reference[0][int(r)] for r in others]
-        stats = engine.get_stats()
-        assert stats.num_free_blocks == stats.num_total_blocks and not in_flight
-        engine.add_request(victim, {"prompt_token_ids": PROMPTS[int(victim)]}, SP)
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        assert done[victim].outputs[0].token_ids == reference[0][int(victim)]
-    finally:
-        engine.shutdown()
 
 
 @pytest.mark.parametrize("arch,kw", [
@@ -235,6 +263,7 @@ def test_unsupported_family_is_a_clear_error():
     class SomeForCausalLM(nn.Module):  # a family without stages (supports_pp unset)
         pass
 
+    ENGINES.close()  # the process's pipeline group is set by hand below: no engine may be using it
     set_pp_group(PPGroup(0, 2))
     try:
         with pytest.raises(ValueError, match="SomeForCausalLM does not support pipeline_parallel_size"):
@@ -242,11 +271,6 @@ def test_unsupported_family_is_a_clear_error():
     finally:
         set_pp_group(PPGroup())
     check_pipeline_support(SomeForCausalLM)  # fine without pipeline parallelism
-
-
-def test_dead_stage_fails_fast(ckpt):
-    llm = LLM(model=ckpt, dtype="float32", pipeline_parallel_size=2, kv_cache_memory=4 << 20)
-    assert_killed_rank_fails_fast(llm, PROMPTS[:2], SP)
 
 
 def test_data_parallel_replicas_get_a_core_per_pipeline_rank(ckpt):
@@ -267,6 +291,8 @@ def test_pp2_structured_outputs_like_pp1(default_model):
 
     schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["n"], "additionalProperties": False}
+
+    ENGINES.close()  # one multi-process engine per process: this test builds its own
 
     def run_structured(**kw):
         llm = LLM(default_model, dtype="float32", kv_cache_memory=16 << 20, max_model_len=256, **kw)

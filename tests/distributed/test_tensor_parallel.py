@@ -8,6 +8,7 @@ import time
 import pytest
 
 from dead_rank import assert_killed_rank_fails_fast
+from one_engine import OneEngine
 from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 
@@ -15,25 +16,40 @@ pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPU c
 
 SP = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = random_prompts((1, 9, 40, 130, 260), seed=11)
+CHUNK = 32  # the logprobs test's token budget (it splits the longer prompts); the dead-rank test reuses that engine
+ENGINES = OneEngine(dtype="float32", kv_cache_memory=16 << 20)  # TP=2 engines; consecutive tests share one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engines():
+    yield
+    ENGINES.close()
 
 
 def generate(path, tp, prompts=PROMPTS, sp=SP, **kw):
-    """(RequestOutputs, stats, weight bytes per rank) of one engine; asserts no block leaked."""
+    """(RequestOutputs, this run's preemptions, weight bytes per rank) of an engine with these
+    settings (TP=2 ones shared through ENGINES); asserts no block leaked."""
     kw.setdefault("kv_cache_memory", 16 << 20)
-    llm = LLM(model=path, dtype="float32", tensor_parallel_size=tp, **kw)
+    if tp > 1:
+        llm, owned = ENGINES.get(model=path, tensor_parallel_size=tp, **kw), False
+    else:
+        ENGINES.close()  # a single-process engine resets the process's tensor-parallel group (one_engine.py)
+        llm, owned = LLM(model=path, dtype="float32", **kw), True
     try:
+        preempted = llm.get_stats().num_preemptions
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
         stats = llm.get_stats()
         weights = llm.engine.core.executor.weight_bytes_per_rank
     finally:
-        llm.engine.shutdown()
+        if owned:
+            llm.engine.shutdown()
     assert stats.num_free_blocks == stats.num_total_blocks
-    return outs, stats, weights
+    return outs, stats.num_preemptions - preempted, weights
 
 
 def greedy(path, tp, prompts=PROMPTS, sp=SP, **kw):
-    outs, stats, weights = generate(path, tp, prompts, sp, **kw)
-    return [o.outputs[0].token_ids for o in outs], stats, weights
+    outs, preempted, weights = generate(path, tp, prompts, sp, **kw)
+    return [o.outputs[0].token_ids for o in outs], preempted, weights
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -45,6 +61,37 @@ def test_tp2_matches_tp1(make_ckpt, arch):
     assert len(w2) == 2 and all(abs(w - w1[0] / 2) / w1[0] < 0.02 for w in w2)
 
 
+def test_tp2_logprobs_and_seeded_sampling_match_tp1(make_ckpt):
+    """logprobs, prompt_logprobs (across prefill chunks), n>1 and seeded random sampling: rank 0
+    samples and every rank keeps the same request state, so TP=2 reproduces TP=1."""
+    path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
+    prompts = random_prompts((5, 40, 90, 12), seed=13)
+    sps = [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, logprobs=0),
+        SamplingParams(temperature=1.0, top_k=40, seed=7, n=2, max_tokens=8, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=8, ignore_eos=True, prompt_logprobs=1),
+    ]
+    # the 32-token budget splits the 40- and 90-token prompts (and their prompt logprobs) into chunks
+    one, _, _ = generate(path, 1, prompts, sps, max_num_batched_tokens=CHUNK)
+    two, _, _ = generate(path, 2, prompts, sps, max_num_batched_tokens=CHUNK)
+    assert [len(o.outputs) for o in two] == [1, 1, 2, 1]
+    for o1, o2 in zip(one, two):
+        _assert_logprobs_close(o1.prompt_logprobs, o2.prompt_logprobs)
+        for c1, c2 in zip(o1.outputs, o2.outputs):
+            assert c2.token_ids == c1.token_ids
+            _assert_logprobs_close(c1.logprobs, c2.logprobs)
+    assert one[1].prompt_logprobs is not None and one[3].prompt_logprobs is not None
+    assert all(c.logprobs is not None for c in two[2].outputs)
+    assert two[2].outputs[0].token_ids != two[2].outputs[1].token_ids  # n=2 samples differ
+
+
+def test_dead_rank_fails_fast(make_ckpt):
+    path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
+    llm = ENGINES.get(model=path, tensor_parallel_size=2, max_num_batched_tokens=CHUNK)  # the test's above
+    assert_killed_rank_fails_fast(llm, PROMPTS[:2], SP)
+
+
 def test_tp2_under_preemption(make_ckpt):
     path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
     prompts = random_prompts((70, 70, 70, 70), seed=12)
@@ -52,8 +99,8 @@ def test_tp2_under_preemption(make_ckpt):
     one, _, _ = greedy(path, 1, prompts, sp)
     # per rank: 1 kv head * 16 dims * 4 B * 2 * 2 layers = 256 B/token -> 20 blocks of 16 tokens:
     # all four 70-token prompts get in (5 blocks each), then growing past 80 tokens forces preemption
-    two, stats, _ = greedy(path, 2, prompts, sp, kv_cache_memory=256 * 16 * 20, max_model_len=200)
-    assert stats.num_preemptions > 0
+    two, preempted, _ = greedy(path, 2, prompts, sp, kv_cache_memory=256 * 16 * 20, max_model_len=200)
+    assert preempted > 0
     assert two == one
 
 
@@ -80,43 +127,12 @@ def _assert_logprobs_close(a, b):
             assert pa[tok].logprob == pytest.approx(pb[tok].logprob, abs=1e-4)
 
 
-def test_tp2_logprobs_and_seeded_sampling_match_tp1(make_ckpt):
-    """logprobs, prompt_logprobs (across prefill chunks), n>1 and seeded random sampling: rank 0
-    samples and every rank keeps the same request state, so TP=2 reproduces TP=1."""
-    path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
-    prompts = random_prompts((5, 40, 90, 12), seed=13)
-    sps = [
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
-        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2, logprobs=0),
-        SamplingParams(temperature=1.0, top_k=40, seed=7, n=2, max_tokens=8, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=8, ignore_eos=True, prompt_logprobs=1),
-    ]
-    # a 32-token budget splits the 40- and 90-token prompts (and their prompt logprobs) into chunks
-    one, _, _ = generate(path, 1, prompts, sps, max_num_batched_tokens=32)
-    two, _, _ = generate(path, 2, prompts, sps, max_num_batched_tokens=32)
-    assert [len(o.outputs) for o in two] == [1, 1, 2, 1]
-    for o1, o2 in zip(one, two):
-        _assert_logprobs_close(o1.prompt_logprobs, o2.prompt_logprobs)
-        for c1, c2 in zip(o1.outputs, o2.outputs):
-            assert c2.token_ids == c1.token_ids
-            _assert_logprobs_close(c1.logprobs, c2.logprobs)
-    assert one[1].prompt_logprobs is not None and one[3].prompt_logprobs is not None
-    assert all(c.logprobs is not None for c in two[2].outputs)
-    assert two[2].outputs[0].token_ids != two[2].outputs[1].token_ids  # n=2 samples differ
-
-
 def test_bad_tp_size_is_a_clear_error(make_ckpt):
     path = make_ckpt("tp_heads6", "llama", heads=6, kv_heads=2, hidden=96)
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(model=path, dtype="float32", tensor_parallel_size=4)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(model=path, dtype="float32", tensor_parallel_size=0)
-
-
-def test_dead_rank_fails_fast(make_ckpt):
-    path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
-    llm = LLM(model=path, dtype="float32", tensor_parallel_size=2, kv_cache_memory=16 << 20)
-    assert_killed_rank_fails_fast(llm, PROMPTS[:2], SP)
 
 
 def test_server_with_tensor_parallel_size_2(make_ckpt):
@@ -126,6 +142,7 @@ def test_server_with_tensor_parallel_size_2(make_ckpt):
 
     import httpx
 
+    ENGINES.close()  # its ranks would share the cores with the server's
     path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
     ref_llm = LLM(model=path, dtype="float32", kv_cache_memory=16 << 20)
     ref = [o.outputs[0].text for o in ref_llm.generate(prompt_token_ids=PROMPTS[:2], use_tqdm=False,
