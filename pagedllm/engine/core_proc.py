@@ -2,7 +2,8 @@
 
 Each turn it takes every message waiting on its input pipe (requests, aborts, calls, shutdown),
 then runs one step if anything is unfinished and sends the step's EngineCoreOutputs (with the
-scheduler's statistics and the step's phase timings) up the output pipe. Idle, it blocks on the
+scheduler's statistics and the step's phase timings) up the output pipe -- written by a thread
+of its own, so the loop never waits on a full pipe (the front end may be waiting on ours). Idle, it blocks on the
 pipe. It exits when told to, when its input pipe closes (the front end died), or on SIGTERM
 (default action); SIGINT is ignored so a terminal's Ctrl-C reaches only the server, which then
 shuts the core down in order. A step that raises past the core's own failure isolation (e.g. a
@@ -13,9 +14,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import signal
 import threading
 from concurrent.futures import CancelledError, Future
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -36,22 +39,44 @@ class _CoreLoop:
         self.core, self.conn_in, self.conn_out = core, conn_in, conn_out
         self.running = True
         self.num_unfinished = 0
-        self._send_lock = threading.Lock()  # asynchronous calls answer from their own threads
         self._async: dict[int, Future] = {}  # asynchronous calls running, by call id
+        # Outputs go out on a thread of their own: were this loop to block writing to a full
+        # output pipe while the front end blocks writing requests to a full input pipe (its one
+        # engine thread both sends and reads), neither would ever read again.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._write_error: Optional[BaseException] = None
+        self._writer = threading.Thread(target=self._write_loop, name="pagedllm-core-output", daemon=True)
+        self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            try:
+                self.conn_out.send_bytes(data)
+            except (OSError, EOFError, ValueError) as e:  # the front end is gone
+                self._write_error = e
+                return
 
     def send(self, msg) -> None:
-        data = pickle.dumps(msg, protocol=5)
-        with self._send_lock:
-            self.conn_out.send_bytes(data)
+        """Queue ``msg`` for the front end (pickled now, written by the output thread)."""
+        if self._write_error is not None:
+            raise BrokenPipeError(f"the front end is gone ({self._write_error!r})")
+        self._outbox.put(pickle.dumps(msg, protocol=5))
+
+    def close_output(self, timeout: float = 5.0) -> None:
+        """Write what is queued (at most ``timeout`` seconds), then stop the output thread."""
+        self._outbox.put(None)
+        self._writer.join(timeout)
 
     def _reply(self, call_id: int, ok: bool, value) -> None:
         try:
-            data = pickle.dumps(("reply", call_id, (ok, value)), protocol=5)
+            self.send(("reply", call_id, (ok, value)))
+        except BrokenPipeError:
+            raise
         except Exception:  # e.g. an exception that does not pickle: its text goes
-            data = pickle.dumps(("reply", call_id, (False, RuntimeError(f"{type(value).__name__}: {value}"))),
-                                protocol=5)
-        with self._send_lock:
-            self.conn_out.send_bytes(data)
+            self.send(("reply", call_id, (False, RuntimeError(f"{type(value).__name__}: {value}"))))
 
     def _answer(self, call_id: int, fut: Future) -> None:
         """An asynchronous call ended (on its own thread): (True, None) -- what it made stays in
@@ -60,7 +85,7 @@ class _CoreLoop:
         try:
             error = CancelledError() if fut.cancelled() else fut.exception()
             self._reply(call_id, error is None, error)
-        except (OSError, EOFError, ValueError):  # the front end is gone; the loop sees it too
+        except (OSError, EOFError, ValueError):  # the front end is gone (BrokenPipeError); the loop sees it too
             pass
 
     def handle(self, msg) -> list:
@@ -125,9 +150,15 @@ class _CoreLoop:
     def run(self) -> None:
         from pagedllm.core.engine_request import EngineCoreOutputs
 
+        from pagedllm.heap import IdleTrimmer
+
         core = self.core
+        trimmer = IdleTrimmer()
         while self.running:
+            if self._write_error is not None:
+                raise BrokenPipeError(f"the front end is gone ({self._write_error!r})")
             busy = core.has_unfinished_requests()
+            trimmer.busy() if busy else trimmer.idle()
             immediate: list = []
             handled = False
             # Block while idle; while busy only take what is already there.
@@ -176,6 +207,7 @@ def run_engine_core(config, skip_tokenizer_init: bool, executor_factory, conn_in
         except Exception:
             pass
         code = 1
+    loop.close_output()
     try:
         core.shutdown()
     except Exception:
