@@ -23,6 +23,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import print_table, write_json  # noqa: E402
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def shapes():
     from pagedllm.sampling_params import StructuredOutputsParams as S
 
@@ -42,6 +50,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    rss_start = _rss_mib()  # before xgrammar (and with it torch and transformers) is imported
     from pagedllm.config import default_model_path
     from pagedllm.models.config_json import load_hf_config
     from pagedllm.structured_output.backend import CompileIsolation, GrammarBackend, spec_key
@@ -50,7 +59,10 @@ def main() -> None:
 
     model = args.model or default_model_path()
     cfg = load_hf_config(model)
-    backend = GrammarBackend(load_tokenizer(model), cfg.vocab_size, [0], isolation=CompileIsolation())
+    tokenizer = load_tokenizer(model)
+    rss_tokenizer = _rss_mib()
+    backend = GrammarBackend(tokenizer, cfg.vocab_size, [0], isolation=CompileIsolation())
+    rss_backend = _rss_mib()
     load_before = open("/proc/loadavg").read().split()[:3]
     from pagedllm.sampling_params import StructuredOutputsParams as S
 
@@ -79,18 +91,34 @@ def main() -> None:
         rows.append(row)
     worker_rss_after = _status_kib(worker.pid, "VmRSS") / 1024 if worker.pid else None
     backend.shutdown()
+    rss_compiled = _rss_mib()  # this process after the thread compiles (cached)
+    backend._cache.clear()
+    import gc
+
+    gc.collect()
+    rss_dropped = _rss_mib()
+    from pagedllm.heap import trim_freed_memory
+
+    trim_freed_memory()
+    rss_trimmed = _rss_mib()
     load_after = open("/proc/loadavg").read().split()[:3]
     print(f"model {model} (vocab {cfg.vocab_size}); worker start + first compile {start_s:.2f} s; worker RSS "
           f"{worker_rss:.0f} MiB at start, {worker_rss_after} MiB after; tokenizer info "
           f"{len(backend.tokenizer_info.serialize_json()) / 2**20:.2f} MiB as JSON; load average {' '.join(load_before)} -> "
           f"{' '.join(load_after)}")
+    print(f"this process's RSS: {rss_start:.0f} MiB at start, {rss_tokenizer:.0f} with the tokenizer, "
+          f"{rss_backend:.0f} with xgrammar's backend, {rss_compiled:.0f} after the compiles, {rss_dropped:.0f} "
+          f"with the cache dropped, {rss_trimmed:.0f} after malloc_trim")
     cols = ["constraint", "thread_median_ms", "process_median_ms", "thread_min_ms", "process_min_ms",
             "memory_size_mib", "serialized_mib"]
     print_table(rows, cols)
     write_json(args.json, {"command": " ".join(sys.argv), "model": model, "rounds": args.rounds,
                            "worker_start_s": round(start_s, 2), "worker_rss_mib": round(worker_rss, 1),
                            "worker_rss_after_mib": worker_rss_after, "load_before": load_before,
-                           "load_after": load_after, "rows": rows})
+                           "load_after": load_after, "rows": rows,
+                           "rss_mib": {"start": rss_start, "tokenizer": rss_tokenizer, "backend": rss_backend,
+                                       "compiled": rss_compiled, "cache_dropped": rss_dropped,
+                                       "trimmed": rss_trimmed}})
 
 
 if __name__ == "__main__":

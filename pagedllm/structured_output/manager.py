@@ -18,7 +18,6 @@ Lifecycle of a constrained request (driven by the scheduler through engine/struc
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -26,29 +25,13 @@ from typing import Any, Iterable, Optional
 
 from pagedllm.core.contracts import GrammarBitmask
 from pagedllm.core.grammar_wait import Advance
+from pagedllm.heap import trim_freed_memory
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import CompileIsolation, GrammarBackend, import_xgrammar, spec_key
 from pagedllm.structured_output.compile_process import CompileDeadlineError
 from pagedllm.structured_output.limits import CompileLimits, CompilePoolFullError, CompileTimeoutError, compile_timeout
 
 logger = logging.getLogger(__name__)
-
-
-_libc = None
-
-
-def trim_freed_memory() -> None:
-    """Hand the heap's free pages back to the system (glibc's malloc_trim): a compiled grammar
-    that was dropped (evicted, or never cached) otherwise stays in the process's resident memory."""
-    global _libc
-    if _libc is False:
-        return
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL("libc.so.6")
-        _libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        _libc = False
 
 
 def _relay(shared: Future, mine: Future) -> None:

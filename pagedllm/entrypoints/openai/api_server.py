@@ -261,6 +261,18 @@ class ServerState:
             last_tokens, last_t = tokens, now
 
 
+async def trim_loop(state: "ServerState", interval: float = 10.0) -> None:
+    """Every ``interval`` s while no request is in flight, the heap's free memory goes back to the
+    system (pagedllm/heap.py): large bodies parsed, refused or answered leave glibc's heap at its
+    high-water mark otherwise. Off the event loop (a trim walks the whole heap)."""
+    from pagedllm.heap import trim_freed_memory
+
+    while True:
+        await asyncio.sleep(interval)
+        if state.engine is not None and state.engine.num_unfinished() == 0:
+            await asyncio.to_thread(trim_freed_memory)
+
+
 class _SSEResponse(StreamingResponse):
     """A streaming response that always runs ``on_close`` (abort the engine requests), however
     the stream ends: finished, client gone, or cancelled at shutdown."""
@@ -314,10 +326,12 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
         state.loop = asyncio.get_running_loop()
         state.start_loading()
         log_task = asyncio.create_task(state.log_loop() if not state.args.disable_log_stats else asyncio.sleep(0))
+        trim_task = asyncio.create_task(trim_loop(state))
         try:
             yield
         finally:
             log_task.cancel()
+            trim_task.cancel()
             await asyncio.to_thread(state.shutdown)
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan, docs_url=None,

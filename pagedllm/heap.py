@@ -1,0 +1,55 @@
+"""The C heap's free memory handed back to the system (glibc's ``malloc_trim``).
+
+glibc keeps memory that was freed -- a large request body, a compiled grammar dropped from the
+cache, a burst of threads' arenas -- in the process (its resident size stays at the high-water
+mark) until something trims it. ``trim_freed_memory`` does that once; ``IdleTrimmer`` does it
+when a process has been idle for a while after work (the server's front end and the engine
+core each run one), so a server that served a burst returns toward its resting size. On a C
+library without malloc_trim both do nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+_libc = None
+
+
+def trim_freed_memory() -> bool:
+    """Trim the heap now; False where this C library cannot."""
+    global _libc
+    if _libc is False:
+        return False
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL("libc.so.6")
+        _libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):  # not glibc
+        _libc = False
+        return False
+
+
+class IdleTrimmer:
+    """``busy()`` whenever work is done; ``idle()`` while there is none: the heap is trimmed once
+    ``after_s`` seconds into an idle stretch that followed work."""
+
+    def __init__(self, after_s: float = 5.0, clock=time.monotonic) -> None:
+        self.after_s = after_s
+        self._clock = clock
+        self._worked = False
+        self._idle_since = None
+
+    def busy(self) -> None:
+        self._worked = True
+        self._idle_since = None
+
+    def idle(self) -> None:
+        if not self._worked:
+            return
+        now = self._clock()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= self.after_s:
+            trim_freed_memory()
+            self._worked = False
