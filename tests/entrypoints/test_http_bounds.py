@@ -212,8 +212,7 @@ def test_health_answers_while_a_large_body_is_parsed(server, monkeypatch):
 
 
 @pytest.mark.parametrize("body", [b'{"prompt": "w1", "max_tokens": ', b'{"prompt": "w1", "frobnicate": 1}',
-                                  b'{"prompt": "w1", "max_tokens": "ten"}', b"[1, 2]", b'{"prompt": "\xff\xfe"}',
-                                  b"null"])
+                                  b'{"prompt": "w1", "max_tokens": "ten"}', b'{"prompt": "\xff\xfe"}'])
 def test_a_large_body_gets_the_error_a_small_one_gets(server, body):
     def answer(content):
         r = httpx.post(server.url + "/v1/completions", content=content, headers={"content-type": "application/json"})
