@@ -177,8 +177,14 @@ class EngineConfig:
     # (kv_offloading_size): the most recently stored blocks stay there, the least recently used spill to disk
     kv_offload_host_size: Optional[float] = None
     # a directory whose image files prompts may name (a path or file:// URL; vLLM's --allowed-local-media-path);
-    # None: no local files. Remote http(s) image URLs are never fetched.
+    # None: no local files.
     allowed_local_media_path: Optional[str] = None
+    # hosts whose http(s) image URLs the server fetches (vLLM's --allowed-media-domains): exact, case-insensitive
+    # host names (a subdomain is another entry); () (the default): every remote image URL is refused. A list, or
+    # text with the names separated by commas or spaces; kept lower-case as a tuple once checked.
+    allowed_media_domains: tuple = ()
+    media_fetch_timeout: float = 5.0  # seconds one remote image may take, redirects and body included (vLLM: 5)
+    media_fetch_max_bytes: int = 20 << 20  # a larger remote image body is stopped while it is read (or "20MiB")
     # most images one prompt may carry, vLLM's --limit-mm-per-prompt: {"image": N} (or its JSON text); default 16.
     # Kept as ((modality, limit), ...) once checked.
     limit_mm_per_prompt: Optional[object] = None
@@ -278,6 +284,29 @@ class EngineConfig:
                 raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0, got {n!r}")
         object.__setattr__(self, "limit_mm_per_prompt", tuple(sorted(value.items())))  # hashable, like the config
 
+    def _check_media_fetch(self) -> None:
+        import re
+
+        domains = self.allowed_media_domains
+        if isinstance(domains, str):
+            domains = domains.replace(",", " ").split()
+        if not isinstance(domains, (list, tuple)) or not all(isinstance(d, str) for d in domains):
+            raise ValueError(f"allowed_media_domains must be a list of host names, got {domains!r}")
+        domains = tuple(dict.fromkeys(d.strip().lower().rstrip(".") for d in domains if d.strip()))
+        for d in domains:  # a host name, an IPv4 address or a bare IPv6 address; no scheme, port or path
+            if not (re.fullmatch(r"[a-z0-9]([a-z0-9_-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9_-]*[a-z0-9])?)*", d)
+                    or (":" in d and re.fullmatch(r"[0-9a-f:.]+", d))):
+                raise ValueError(f"allowed_media_domains: {d!r} is not a host name (give names such as "
+                                 "upload.wikimedia.org: no scheme, port or path)")
+        object.__setattr__(self, "allowed_media_domains", domains)
+        if not 0 < self.media_fetch_timeout < float("inf"):
+            raise ValueError(f"media_fetch_timeout must be > 0 seconds, got {self.media_fetch_timeout}")
+        if isinstance(self.media_fetch_max_bytes, str):  # "20MiB", as the flag takes it
+            object.__setattr__(self, "media_fetch_max_bytes", parse_size(self.media_fetch_max_bytes,
+                                                                         "media_fetch_max_bytes"))
+        if self.media_fetch_max_bytes < 1:
+            raise ValueError(f"media_fetch_max_bytes must be >= 1, got {self.media_fetch_max_bytes}")
+
     def _check_logits_processors(self) -> None:
         procs = self.logits_processors
         if isinstance(procs, (str, type)):
@@ -297,6 +326,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         self._parse_mm_limits()
+        self._check_media_fetch()
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None:

@@ -45,10 +45,11 @@ PromptType = Union[str, list[int], dict[str, Any], ProcessedPrompt]
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, limits: Optional[EngineLimits] = None,
                  eos_token_ids: Optional[list[int]] = None, lora_registry=None, structured=None,
-                 images=None, allowed_local_media_path: Optional[str] = None,
+                 images=None, media=None,
                  logits_processors=()) -> None:
         """``images``: the model's multimodal.processor.ImagePromptProcessor (None: a text model);
-        ``allowed_local_media_path``: where images may be read from local files (None: nowhere)."""
+        ``media``: a multimodal.media.MediaSources, where images named by a path or URL may come from
+        (None: only data: URLs)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -57,7 +58,7 @@ class InputProcessor:
         self.lora_registry = lora_registry  # LoRARegistry (enable_lora) or None
         self.structured = structured  # StructuredOutputManager (has a tokenizer) or None
         self.images = images
-        self.allowed_local_media_path = allowed_local_media_path
+        self.media = media
         self.logits_processors = list(logits_processors)  # --logits-processors' classes (their validate_params)
         self.max_prompt_chars = 2 * max_model_len * max_token_chars(tokenizer) if tokenizer is not None else 0
 
@@ -128,7 +129,7 @@ class InputProcessor:
         if self.images is None:
             raise ValueError("multi_modal_data: this model takes no images")
         images = self.images.images_of(mm_data) if mm_data is not None else []
-        return self.images.process(ids, images, self.allowed_local_media_path)
+        return self.images.process(ids, images, self.media)
 
     # ---- adapters and constraints -----------------------------------------------------------
     def resolve_lora(self, lora_request):

@@ -69,13 +69,14 @@ class LLMEngine:
             logger.info("default sampling parameters from the model's generation_config.json: %s (used where a "
                         "request leaves them unset; --generation-config vllm ignores them)",
                         self.default_sampling_params)
+        from pagedllm.multimodal.media import MediaSources
         from pagedllm.multimodal.processor import make_image_processor
 
         self.input_processor = InputProcessor(self.tokenizer, hf_config.vocab_size, self.max_model_len, limits,
                                               self.eos_token_ids, self.lora_registry, self._grammar_checker(),
                                               make_image_processor(config.model, hf_config, self.tokenizer,
                                                                    config.max_images_per_prompt),
-                                              config.allowed_local_media_path, procs)
+                                              MediaSources.of_config(config), procs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

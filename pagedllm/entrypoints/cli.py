@@ -98,7 +98,13 @@ _HELP = {
                             "ranks) in front of the disk tier (--kv-offloading-size); its least recently used blocks "
                             "spill to disk",
     "allowed_local_media_path": "a directory whose image files prompts may name (a path or file:// URL in an "
-                                "image_url part); default none. http(s) image URLs are always refused",
+                                "image_url part); default none",
+    "allowed_media_domains": "hosts whose http(s) image URLs in image_url parts the server fetches (exact, "
+                             "case-insensitive host names; a subdomain is its own entry); default none: every "
+                             "remote image URL is a 400. Redirects are followed only to these hosts",
+    "media_fetch_timeout": "seconds one remote image fetch may take, redirects and body included (default 5)",
+    "media_fetch_max_bytes": "the largest remote image body, in bytes or as 20MiB (default 20MiB); a larger one is "
+                             "stopped while it is read",
     "limit_mm_per_prompt": "most images a prompt may carry, as JSON: {\"image\": 4} (default 16)",
 }
 _SKIP = {"model"}
@@ -111,7 +117,7 @@ def parse_size(text: str) -> int:
 
 def _field_type(f: dataclasses.Field):
     t = str(f.type)
-    if f.name == "kv_cache_memory":
+    if f.name in ("kv_cache_memory", "media_fetch_max_bytes"):
         return parse_size
     for name, conv in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if re.search(rf"\b{name}\b", t):
@@ -130,8 +136,9 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()
         help_ = _HELP.get(f.name, f.name.replace("_", " "))
         if conv is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
-        elif f.name == "logits_processors":
-            group.add_argument(flag, dest=f.name, nargs="+", default=None, metavar="CLASS", help=help_)
+        elif f.name in ("logits_processors", "allowed_media_domains"):
+            group.add_argument(flag, dest=f.name, nargs="+", default=None,
+                               metavar="CLASS" if f.name == "logits_processors" else "HOST", help=help_)
         else:
             group.add_argument(flag, dest=f.name, type=conv, default=None, help=help_)
 

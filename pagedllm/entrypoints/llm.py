@@ -102,7 +102,7 @@ class LLM(PoolingAPI):
 
         processor = self.engine.input_processor.images
         conv, images = flatten_messages(conv, processor.placeholder if processor is not None else None,
-                                        self.engine.config.allowed_local_media_path,
+                                        self.engine.input_processor.media,
                                         self.engine.config.max_images_per_prompt)
         item: dict[str, Any] = {"prompt_token_ids": apply_chat_template(
             self.engine.tokenizer, conv, add_generation_prompt, chat_template, **(chat_template_kwargs or {}))}

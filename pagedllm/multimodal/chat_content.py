@@ -3,14 +3,15 @@ with the model's image placeholder where each image part was (parts joined by ne
 order), and the images, loaded (multimodal/media.py).
 
 Parts: ``{"type": "text", "text": ...}``, ``{"type": "image_url", "image_url": {"url": ...}}``
-(a ``data:`` URL, or a local file under allowed_local_media_path; http(s) is refused), and offline
+(a ``data:`` URL, a local file under allowed_local_media_path, or an http(s) URL from one of the
+allowed_media_domains; media.py), and offline
 ``{"type": "image_pil", "image_pil": <PIL image>}``. A bad part raises ContentError naming it
 (``messages[1].content[0].image_url``): the server answers 400 with that as the param."""
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedllm.multimodal.media import load_image
+from pagedllm.multimodal.media import MediaSources, load_image
 
 
 class ContentError(ValueError):
@@ -20,7 +21,7 @@ class ContentError(ValueError):
 
 
 def flatten_messages(messages: list[dict[str, Any]], placeholder: Optional[str],
-                     allowed_local_media_path: Optional[str] = None,
+                     media: Optional[MediaSources] = None,
                      max_images: int = 16) -> tuple[list[dict[str, Any]], list]:
     """(messages with string contents, the images in prompt order). ``placeholder`` None: the
     model takes no images (an image part is refused)."""
@@ -28,16 +29,16 @@ def flatten_messages(messages: list[dict[str, Any]], placeholder: Optional[str],
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
-            m = dict(m, content=flatten_content(content, placeholder, images, allowed_local_media_path,
+            m = dict(m, content=flatten_content(content, placeholder, images, media,
                                                 f"messages[{i}].content", max_images))
         out.append(m)
     return out, images
 
 
 def flatten_content(parts: list, placeholder: Optional[str], images: list,
-                    allowed_local_media_path: Optional[str], where: str, max_images: int = 16) -> str:
+                    media: Optional[MediaSources], where: str, max_images: int = 16) -> str:
     """``images`` receives the loaded images (more than ``max_images`` in all: refused before
-    the next one is decoded)."""
+    the next one is decoded); ``media``: where paths and URLs may lead (None: data: URLs only)."""
     texts = []
     for j, part in enumerate(parts):
         param = f"{where}[{j}]"
@@ -60,7 +61,7 @@ def flatten_content(parts: list, placeholder: Optional[str], images: list,
             if not isinstance(source, str):
                 raise ContentError("an image_url part needs {'url': 'data:image/...;base64,...'}", param)
         try:
-            images.append(load_image(source, allowed_local_media_path))
+            images.append(load_image(source, media))
         except ValueError as e:
             raise ContentError(str(e), param) from None
         texts.append(placeholder)

@@ -1,18 +1,60 @@
 """Images from what a caller hands over: a PIL image, a numpy array (H x W x 3 or H x W, uint8),
-a ``data:`` URL (base64), or a local file (a path or ``file://`` URL) under the directory the
+a ``data:`` URL (base64), a local file (a path or ``file://`` URL) under the directory the
 operator allowed (``allowed_local_media_path``, vLLM's ``--allowed-local-media-path``; none by
-default). Remote ``http(s)://`` URLs are refused: this server never fetches an address a request
-names. Every failure is a ValueError saying what was wrong (the server answers it with a 400
-naming the field)."""
+default), or an ``http(s)://`` URL whose host the operator allowed (``allowed_media_domains``,
+vLLM's ``--allowed-media-domains``; none by default: then every remote URL is refused).
+
+A remote fetch (blocking: callers run it off the event loop) never follows a redirect by itself:
+each hop's URL is checked again (scheme http/https, host in the list), at most MAX_REDIRECTS hops;
+one deadline (``media_fetch_timeout`` seconds) covers all hops and the body, checked between reads
+of at most one network wait each; the body is read in chunks and stopped once it passes
+``media_fetch_max_bytes``. Every failure is a ValueError saying what was wrong (the server
+answers it with a 400 naming the field)."""
 from __future__ import annotations
 
 import base64
 import binascii
 import io
 import os
+import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 MAX_IMAGE_PIXELS = 32 * 1024 * 1024  # larger images are refused before they are decoded
+MAX_REDIRECTS = 5  # hops a remote image URL may redirect through (each to an allowed host)
+_CHUNK = 64 * 1024
+
+
+@dataclass(frozen=True)
+class MediaSources:
+    """Where images named by a path or URL may come from (built once from the EngineConfig)."""
+    local_path: Optional[str] = None  # allowed_local_media_path: None, no local files
+    allowed_domains: tuple[str, ...] = ()  # lower-case host names, exact matches; (): no remote URLs
+    fetch_timeout: float = 5.0  # seconds for one remote image: every hop and the whole body
+    fetch_max_bytes: int = 20 << 20  # a larger remote body is stopped while it is read
+
+    @classmethod
+    def of_config(cls, config) -> "MediaSources":
+        return cls(config.allowed_local_media_path, config.allowed_media_domains, config.media_fetch_timeout,
+                   config.media_fetch_max_bytes)
+
+
+_fetch_pool = None
+FETCH_THREADS = 8  # remote image fetches (each waits on the network) run at once in the server
+
+
+def fetch_pool():
+    """The server's threads for flattening content parts that fetch remote images."""
+    global _fetch_pool
+    if _fetch_pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _fetch_pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="pagedllm-media-fetch")
+    return _fetch_pool
+
+
+def is_remote_url(source: Any) -> bool:
+    return isinstance(source, str) and source[:8].lower().startswith(("http://", "https://"))
 
 
 def _pil():
@@ -23,9 +65,11 @@ def _pil():
     return PIL.Image
 
 
-def load_image(source: Any, allowed_local_media_path: Optional[str] = None):
-    """A PIL image (decoded, not yet converted to RGB) from any of the accepted sources."""
+def load_image(source: Any, media: Optional[MediaSources] = None):
+    """A PIL image (decoded, not yet converted to RGB) from any of the accepted sources;
+    ``media`` None: no local files, no remote URLs."""
     Image = _pil()
+    media = media or MediaSources()
     if isinstance(source, Image.Image):
         _check_size(source.size)
         return source
@@ -36,13 +80,12 @@ def load_image(source: Any, allowed_local_media_path: Optional[str] = None):
                          f"{type(source).__name__}")
     if source.startswith("data:"):
         return _decode(Image, _data_url_bytes(source), "the data: URL")
-    if source.startswith(("http://", "https://")):
-        raise ValueError("remote image URLs are not fetched by this server: send the image inline as a data: URL "
-                         "(data:image/png;base64,...)")
+    if is_remote_url(source):
+        return _decode(Image, _remote_bytes(source, media), "the image URL's body")
     if "://" in source and not source.startswith("file://"):
         raise ValueError(f"unsupported image URL scheme {source.split('://', 1)[0]!r} (data: URLs, or file:// "
-                         "under the server's allowed_local_media_path)")
-    return _decode(Image, _local_file_bytes(source, allowed_local_media_path), "the image file")
+                         "under the server's allowed_local_media_path, or http(s) from its allowed_media_domains)")
+    return _decode(Image, _local_file_bytes(source, media.local_path), "the image file")
 
 
 def _check_size(size: tuple[int, int]) -> None:
@@ -103,3 +146,119 @@ def _decode(Image, data: bytes, what: str):
     except Exception as e:  # PIL raises many types for bad data (UnidentifiedImageError, OSError, ...)
         raise ValueError(f"{what} is not a readable image ({type(e).__name__})") from None
     return img
+
+
+def _allowed_url(url: str, domains: tuple[str, ...], hop: int) -> str:
+    """``url`` (reached after ``hop`` redirects) if its scheme is http(s) and its host one of
+    ``domains``; else ValueError."""
+    from urllib.parse import urlsplit
+    from urllib.request import Request
+
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+        parts.port  # a malformed port raises here
+    except ValueError:
+        raise ValueError("the image URL is malformed") from None
+    what = "the image URL's" if hop == 0 else f"the image URL redirects to {url!r}, whose"
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"the image URL redirects to a {parts.scheme!r} URL (only http and https are fetched)")
+    if "@" in parts.netloc or not host or any(c.isspace() or c == "\\" for c in url):
+        raise ValueError("the image URL must name a plain host (no user info, spaces or backslashes)")
+    # urllib's own parsing of the URL must find the host the check saw (no parser differential)
+    fetched = Request(url).host
+    if parts.port is not None:
+        fetched = fetched.rpartition(":")[0]
+    if fetched.lower().strip("[]") != host:
+        raise ValueError("the image URL's host is ambiguous")
+    if host.rstrip(".") not in domains:
+        raise ValueError(f"{what} host {host!r} is not in the server's allowed_media_domains (--allowed-media-domains)")
+    return url
+
+
+def _remote_bytes(url: str, media: MediaSources) -> bytes:
+    import urllib.error
+    import urllib.request
+    from urllib.parse import urljoin
+
+    if not media.allowed_domains:
+        raise ValueError("remote image URLs are not fetched by this server (its --allowed-media-domains is unset): "
+                         "send the image inline as a data: URL (data:image/png;base64,...)")
+    opener = urllib.request.build_opener(_no_redirects())
+    deadline = time.monotonic() + media.fetch_timeout
+    for hop in range(MAX_REDIRECTS + 1):
+        req = urllib.request.Request(_allowed_url(url, media.allowed_domains, hop),
+                                     headers={"User-Agent": "pagedllm", "Accept": "image/*"})
+        try:
+            resp = opener.open(req, timeout=_remaining(deadline, media))
+        except urllib.error.HTTPError as e:
+            location = e.headers.get("Location") if 300 <= e.code < 400 else None
+            e.close()
+            if location:
+                url = urljoin(url, location)
+                continue
+            raise ValueError(f"fetching the image URL answered HTTP {e.code}") from None
+        except OSError as e:  # URLError, a timeout, a refused connection, a TLS failure
+            raise _fetch_error(e, media) from None
+        with resp:
+            if resp.status != 200:
+                raise ValueError(f"fetching the image URL answered HTTP {resp.status}")
+            return _read_capped(resp, deadline, media)
+    raise ValueError(f"the image URL redirects more than {MAX_REDIRECTS} times")
+
+
+def _read_capped(resp, deadline: float, media: MediaSources) -> bytes:
+    cap = media.fetch_max_bytes
+    too_large = ValueError(f"the image URL's body is over the server's limit of {cap} bytes (media_fetch_max_bytes)")
+    length = resp.headers.get("Content-Length")
+    if length is not None and length.strip().isdigit() and int(length) > cap:
+        raise too_large
+    buf = bytearray()
+    # the socket's timeout, set when the request was sent, shrinks to what is left before each read (CPython's
+    # socket file keeps the socket as _sock; elsewhere a read may wait up to the timeout it was opened with)
+    sock = getattr(getattr(resp.fp, "raw", None), "_sock", None)
+    try:
+        while True:
+            left = _remaining(deadline, media)
+            if sock is not None:
+                sock.settimeout(left)
+            chunk = resp.read1(_CHUNK)  # at most one network wait, so the deadline is checked between them
+            if not chunk:
+                return bytes(buf)
+            buf += chunk
+            if len(buf) > cap:
+                raise too_large
+    except OSError as e:  # a timeout, a reset connection
+        raise _fetch_error(e, media) from None
+    except ValueError:
+        raise
+    except Exception as e:  # http.client's IncompleteRead and friends: a broken body
+        raise ValueError(f"the image URL's body could not be read ({type(e).__name__})") from None
+
+
+def _remaining(deadline: float, media: MediaSources) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def _fetch_error(e: BaseException, media: MediaSources) -> ValueError:
+    from urllib.error import URLError
+
+    reason = e.reason if isinstance(e, URLError) else e  # URLError wraps the socket's error
+    if isinstance(reason, TimeoutError) or isinstance(e, TimeoutError):
+        return ValueError(f"fetching the image URL took longer than the server's limit of {media.fetch_timeout} s "
+                          "(media_fetch_timeout)")
+    return ValueError(f"could not fetch the image URL ({type(reason).__name__}: {reason})")
+
+
+def _no_redirects():
+    import urllib.request
+
+    class NoRedirects(urllib.request.HTTPRedirectHandler):
+        """A 3xx comes back as an HTTPError: _remote_bytes checks the next hop itself."""
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            return None
+
+    return NoRedirects()

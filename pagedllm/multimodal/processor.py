@@ -16,7 +16,7 @@ import numpy as np
 
 from pagedllm.core.contracts import MultiModalFeature
 from pagedllm.multimodal.image_processor import ClipImageProcessor
-from pagedllm.multimodal.media import load_image
+from pagedllm.multimodal.media import MediaSources, load_image
 
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
@@ -58,7 +58,7 @@ class ImagePromptProcessor:
         return images
 
     def process(self, token_ids: Sequence[int], images: Sequence[Any],
-                allowed_local_media_path: Optional[str] = None) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
+                media: Optional[MediaSources] = None) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
         """(the expanded token ids, one feature per image in prompt order)."""
         runs = self._placeholder_runs(token_ids)
         if len(runs) != len(images):
@@ -71,7 +71,7 @@ class ImagePromptProcessor:
         for (start, length), image in zip(runs, images):
             out.extend(token_ids[prev:start])
             try:
-                pixels = self.preprocess(load_image(image, allowed_local_media_path))
+                pixels = self.preprocess(load_image(image, media))
             except ValueError as e:
                 raise ValueError(f"multi_modal_data: image {len(features)}: {e}") from None
             features.append(MultiModalFeature(len(out), n, content_hash(pixels), pixels))

@@ -216,7 +216,7 @@ class CompletionStreamResponse(CompletionResponse):
 
 # ---- /v1/chat/completions --------------------------------------------------------------------
 class ImageURL(_Request):
-    url: str  # a data: URL (base64), or a local file under --allowed-local-media-path; http(s) is refused
+    url: str  # a data: URL (base64), a local file under --allowed-local-media-path, http(s) from --allowed-media-domains
     detail: Optional[str] = None  # OpenAI's; accepted, no effect
 
 

@@ -36,7 +36,7 @@ from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
     ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
-    DeltaMessage, ErrorInfo, ErrorResponse, PromptTokensDetails, UsageInfo,
+    DeltaMessage, ErrorInfo, ErrorResponse, ImageURL, PromptTokensDetails, UsageInfo,
 )
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams, token_id_key
@@ -577,8 +577,15 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError(400, "chat needs a tokenizer", param="messages")
         contents = [m.content for m in req.messages]
-        if any(isinstance(c, list) for c in contents):  # images are decoded off the event loop
-            contents = await asyncio.to_thread(self._flatten_contents, contents, images if images is not None else [])
+        if any(isinstance(c, list) for c in contents):  # images are decoded (and fetched) off the event loop
+            args = (contents, images if images is not None else [])
+            if _names_remote_image(contents):  # in threads of their own: a slow host never starves tokenizing
+                from pagedllm.multimodal.media import fetch_pool
+
+                contents = await asyncio.get_running_loop().run_in_executor(fetch_pool(), self._flatten_contents,
+                                                                            *args)
+            else:
+                contents = await asyncio.to_thread(self._flatten_contents, *args)
         messages = [tc.template_message(m, c or "") for m, c in zip(req.messages, contents)]
         from pagedllm.tokenizer.chat_template import TemplateLimitError
         from pagedllm.tokenizer.tokenizer import apply_chat_template, render_request_template
@@ -632,10 +639,9 @@ class OpenAIServing:
         processor = self.input_processor.images
         placeholder = processor.placeholder if processor is not None else None
         try:
-            config = self.engine.config
             return [flatten_content([p.model_dump(exclude_none=True) for p in c], placeholder, images,
-                                    config.allowed_local_media_path, f"messages[{i}].content",
-                                    config.max_images_per_prompt)
+                                    self.input_processor.media, f"messages[{i}].content",
+                                    self.engine.config.max_images_per_prompt)
                     if isinstance(c, list) else c for i, c in enumerate(contents)]
         except ContentError as e:
             raise APIError(400, str(e), param=e.param, code="invalid_value") from None
@@ -835,3 +841,11 @@ class OpenAIServing:
         if any(not 0 <= t < self.vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {self.vocab_size})", param="tokens", code="invalid_value")
         return self.tokenizer.decode(req.tokens)
+
+
+def _names_remote_image(contents: list) -> bool:
+    """Whether a message's content parts name an http(s) image URL."""
+    from pagedllm.multimodal.media import is_remote_url
+
+    return any(is_remote_url(p.image_url.url if isinstance(p.image_url, ImageURL) else p.image_url)
+               for c in contents if isinstance(c, list) for p in c)
