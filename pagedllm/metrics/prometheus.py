@@ -215,7 +215,7 @@ class PrometheusMetrics:
                 if self._kv_offload is None:
                     from pagedllm.metrics.kv_offload import KVOffloadMetrics
 
-                    self._kv_offload = KVOffloadMetrics(self.registry, self._prefix, self._model_name)
+                    self._kv_offload = KVOffloadMetrics(self.registry, self._prefix, ENGINE_LABELS, self._engine_values)
                 self._kv_offload.update(stats.kv_tier, last.kv_tier if last is not None else None)
             self._last = stats
 

@@ -66,7 +66,7 @@ def test_identical_with_the_host_tier(llama_ckpt, reference):
     metrics = PrometheusMetrics("m")
     metrics.update_stats(stats)
     text = metrics.render(stats)[0].decode()
-    assert f'pagedllm:external_prefix_cache_hits_total{{model_name="m"}} {float(tier.hit_tokens)}' in text
+    assert f'pagedllm:external_prefix_cache_hits_total{{engine="0",model_name="m"}} {float(tier.hit_tokens)}' in text
     assert f'pagedllm:kv_offload_loaded_bytes_total{{model_name="m"}} {float(tier.loaded_blocks * tier.bytes_per_block)}' in text
 
 
