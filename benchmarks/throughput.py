@@ -149,11 +149,15 @@ def main() -> None:
     for r in rows:
         if base:
             r["vs_hf"] = round(r["total_tok_s"] / base["total_tok_s"], 2)
-    print(f"\nmodel={args.model} dtype={args.dtype} requests={len(reqs)} prompt_tokens={total_prompt} output_tokens={total_out}")
+    from pagedllm.worker.cpu_threads import decide_cpu_threads, read_cpu_facts
+
+    threads = decide_cpu_threads(read_cpu_facts(), env=os.environ).as_dict()  # cores seen, quota, threads, why
+    print(f"\nmodel={args.model} dtype={args.dtype} requests={len(reqs)} prompt_tokens={total_prompt} output_tokens={total_out}"
+          f"\nCPU threads: {threads}")
     print_table(rows, ["engine", "seconds", "total_tok_s", "output_tok_s", "vs_hf"])
     write_json(args.out, {"model": args.model, "dtype": args.dtype, "num_requests": len(reqs), "prompt_tokens": total_prompt,
                           "output_tokens": total_out, "results": rows, "device": device_info(args.device),
-                          "argv": sys.argv})
+                          "cpu_threads": threads, "argv": sys.argv})
 
 
 if __name__ == "__main__":
