@@ -121,3 +121,26 @@ def stop_neighbours(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+class HealthProbe:
+    """GET /health on one kept-alive connection, reopened after a failure: ``status()`` is the HTTP
+    status, or None when the request failed (refused, reset, timed out)."""
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        host, port = base_url.split("//")[1].split(":")
+        self._addr, self._timeout, self._conn = (host, int(port)), timeout, None
+
+    def status(self):
+        import http.client
+
+        try:
+            if self._conn is None:
+                self._conn = http.client.HTTPConnection(*self._addr, timeout=self._timeout)
+            self._conn.request("GET", "/health")
+            r = self._conn.getresponse()
+            r.read()
+            return r.status
+        except (OSError, http.client.HTTPException):
+            self._conn = None
+            return None

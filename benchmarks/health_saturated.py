@@ -22,23 +22,13 @@ from soak import start_server, stop_server  # noqa: E402
 
 def probe(base: str, interval: float, stop, conn) -> None:
     """In its own process: the latency of each GET /health (None: no 200) until ``stop`` is set."""
-    import http.client
+    from common import HealthProbe
 
-    host, port = base.split("//")[1].split(":")
+    health = HealthProbe(base, timeout=10)
     lat: list = []
-    c = None
     while not stop.is_set():
         t = time.monotonic()
-        try:
-            if c is None:
-                c = http.client.HTTPConnection(host, int(port), timeout=10)
-            c.request("GET", "/health")
-            r = c.getresponse()
-            r.read()
-            lat.append(time.monotonic() - t if r.status == 200 else None)
-        except (OSError, http.client.HTTPException):
-            lat.append(None)
-            c = None
+        lat.append(time.monotonic() - t if health.status() == 200 else None)
         time.sleep(max(0.0, interval - (time.monotonic() - t)))
     conn.send(lat)
     conn.close()

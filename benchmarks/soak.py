@@ -510,25 +510,16 @@ def monitor(url: str, pids: list[int], interval: float, stop, conn) -> None:
     """In its own process: GET /health every ``interval`` s (5 s timeout) and the server's RSS every
     0.5 s until ``stop`` is set; sends back the probe counts, the longest time without a 200 and
     the RSS samples."""
-    import http.client
+    from common import HealthProbe
 
-    host, port = url.split("//")[1].split(":")
+    health = HealthProbe(url, timeout=5)
     probes, non200, failures = 0, Counter(), 0
     t_start = last_ok = time.monotonic()
     longest, longest_at, slowest = 0.0, None, 0.0
     rss, next_rss = [], 0.0
-    conn_http = None
     while not stop.is_set():
         t = time.monotonic()
-        try:
-            if conn_http is None:
-                conn_http = http.client.HTTPConnection(host, int(port), timeout=5)
-            conn_http.request("GET", "/health")
-            r = conn_http.getresponse()
-            r.read()
-            code = r.status
-        except (OSError, http.client.HTTPException):
-            code, conn_http = None, None
+        code = health.status()
         now = time.monotonic()
         probes += 1
         slowest = max(slowest, now - t)
