@@ -262,6 +262,19 @@ class AsyncLLM:
         except Exception:
             logger.exception("the on_finished callback raised for request %s", out.request_id)
 
+    def _close(self) -> None:
+        """The loop was told to stop: apply the aborts already sent, then end whatever still runs
+        (its stream gets an error, its blocks go back), so a stopped engine holds nothing."""
+        self._drain_commands()
+        rids = list(self._streams)
+        for rid in rids:
+            self._streams.pop(rid).put(EngineDeadError("the engine was shut down"))
+            self._release(rid)
+        if rids:
+            for out in self.engine.abort_request(rids):
+                self._notify_finished(out)
+        self.stats = self.engine.get_stats()
+
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
@@ -293,6 +306,7 @@ class AsyncLLM:
                                                       "server log); other requests are unaffected")
                         batch.setdefault(stream.loop, []).append((stream.queue, item))
                 _deliver(batch)
+            self._close()
         except BaseException as e:  # the engine is broken: fail every stream, fast
             logger.exception("engine loop died")
             self.dead_error = e
