@@ -108,3 +108,14 @@ def test_placeholder_count_mismatch_is_400(server):
     r = chat(live, {"type": "text", "text": "<image> w9"}, image_part(data_url(sample_images()[0])))
     assert r.status_code == 400 and "2 image placeholder(s)" in r.json()["error"]["message"]
     wait_idle(live.engine)
+
+
+def test_mm_processor_kwargs_refused_by_an_image_model(server):
+    live = server[0]
+    part = image_part(data_url(sample_images()[0]))
+    r = chat(live, part, mm_processor_kwargs={"do_resize": False})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "mm_processor_kwargs" and "do_resize" in err["message"]
+    assert chat(live, part, mm_processor_kwargs={}).status_code == 200  # empty: nothing asked
+    wait_idle(live.engine)

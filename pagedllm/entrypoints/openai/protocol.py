@@ -146,7 +146,8 @@ class _SamplingFields(_Request):
     request_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
     priority: int = 0  # lower runs first under --scheduling-policy priority
     vllm_xargs: Optional[dict[str, Any]] = None  # SamplingParams.extra_args: read by --logits-processors
-    # accepted and ignored, as vLLM ignores them without a KV connector / a multimodal model
+    # kv_transfer_params: accepted and ignored, as vLLM ignores it without a KV connector;
+    # mm_processor_kwargs: ignored by a text-only model as in vLLM, refused (non-empty) by an image model
     kv_transfer_params: Optional[dict[str, Any]] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
 

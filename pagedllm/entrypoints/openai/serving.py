@@ -673,6 +673,11 @@ class OpenAIServing:
         if req.tools and len(req.tools) > max_tools:  # each is rendered into the prompt and may become a grammar
             raise _bad_request(f"tools has {len(req.tools)} entries, over the limit of {max_tools} (max_tools)", "tools")
         plan = tc.plan_tools(req, self.options.enable_auto_tool_choice, self.options.tool_call_parser, _bad_request)
+        if req.mm_processor_kwargs and self.input_processor.images is not None:
+            raise APIError(400, f"mm_processor_kwargs ({', '.join(sorted(map(str, req.mm_processor_kwargs)))}): this "
+                                "server's image preprocessing takes no per-request options (it resizes and crops as "
+                                "the checkpoint's preprocessor config says)", param="mm_processor_kwargs",
+                           code="unsupported_field")
         images: list = []
         prompt: dict[str, Any] = {"prompt_token_ids": await self._chat_prompt(req, plan.tools, images)}
         if images:
