@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedllm.config import SpeculativeConfig
@@ -43,6 +44,27 @@ class SpecDecoder:
             states = runner.requests
             return self.ngram.propose({r: states[r].token_ids for r in slots}, slots), None
         return self.drafter.propose(runner, so, slots)
+
+    def place_drafts(self, so, drafts, states, num_scheduled: np.ndarray, batch) -> None:
+        """Before the runner gathers the step's tokens: the reserved draft slots beyond the drafts
+        (all of them without drafts) stay unused, and each request's drafts are written after its
+        last token, where the gather reads them (not counted as its tokens)."""
+        if so.num_spec_slots:
+            d = drafts or {}
+            num_scheduled -= np.fromiter((so.num_spec_slots.get(s.req_id, 0) - len(d.get(s.req_id, ())) for s in states),
+                                         dtype=np.int64, count=len(states))
+        if drafts:
+            for s in states:
+                d = drafts.get(s.req_id)
+                if d:
+                    batch.write_tokens(s.row, len(s.token_ids), d)
+
+    def sample_or_verify(self, runner, so, inputs, hidden):
+        """(tokens per batch row, logprobs by request id, drafts verified per row or None): a step
+        without drafts samples as usual; with them, every drafted position is verified at once."""
+        if inputs.drafts is None:
+            return (*runner.sample_tokens(inputs, hidden, so.grammar), None)
+        return self.verify(runner, inputs, hidden, inputs.drafts, inputs.draft_probs)
 
     def verify(self, runner, inputs, hidden, drafts, draft_probs):
         return verify_and_update(runner, inputs, hidden, drafts, draft_probs, self.sampler)

@@ -80,7 +80,7 @@ class PagedDrafter:
             temps = torch.tensor([1.0 if g else sp.temperature for g, sp in zip(greedy, sps)], device=self.device)
             greedy_rows = torch.tensor(greedy, dtype=torch.bool, device=self.device)
             gens = [(i, s.generator) for i, s in enumerate(states) if s.generator is not None and not greedy[i]]
-        generator = runner.sampler.generator if runner.sampler is not None else None
+        generator = runner.sampling.generator
 
         def pick(logits, rows_t, sub_gens):
             if temps is None:  # every drafted request is greedy

@@ -122,7 +122,7 @@ def verify_and_update(runner, inputs, hidden: torch.Tensor, drafts: dict[str, li
     elif len(rows):
         grid = torch.empty((len(rows), k_max + 1), dtype=torch.long)
     if grid is not None:  # sampled on rank 0; every rank appends the same
-        grid = runner.tp.share_sampled(grid)
+        grid = runner.stage.share_sampled(grid)
     grid_l = grid.tolist() if grid is not None else []  # the step's one device->host sync
 
     tokens: list[list[int]] = [[] for _ in range(num_rows_batch)]

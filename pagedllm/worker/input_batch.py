@@ -171,6 +171,10 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] long: flat index of each sampling row's last token
     # images: (flat token indices [K], encoder features [K, hidden]) replacing those tokens' embeddings
     mm_embeds: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # speculative decoding: drafts by request id, run after its last token, and their proposal
+    # probabilities [sum k, V] in batch order (None: one-hot); None in a step without drafts
+    drafts: Optional[dict[str, list[int]]] = None
+    draft_probs: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,11 +8,12 @@ the ModelRunner at construction (worker/worker.py builds them; nothing is wired 
 - ``GraphPlugin`` (worker/cuda_graphs.py's DecodeGraphRunner): replays a captured decode step;
 - ``KVTierPlugin`` (worker/kv_tier/transfer.py's TierTransfers): the KV offload tier's stores and
   loads of the step (SchedulerOutput.kv_transfers), run first;
-- the forward path, chosen once: ``EagerForward`` (with LoRA rows), ``GraphForward`` (decode-only
-  steps replay a graph, others run eagerly) or ``PipelineStageForward`` (receive the previous
-  stage's tensors, run this stage's layers, send them on).
-Beam scoring (worker/beam_rows.py) and grammar masks need no plug-in: they follow the rows'
-state (a BeamRow) and the step's bitmask (SchedulerOutput.grammar).
+- the forward path without pipeline parallelism, chosen once (``whole_model_forward``):
+  ``EagerForward`` (with LoRA rows) or ``GraphForward`` (decode-only steps replay a graph, others
+  run eagerly); a pipeline stage's is worker/pipeline_stage.py's.
+What the runner builds itself, from the rank's place: its pipeline stage role
+(worker/pipeline_stage.py), its part in sampling (worker/sampling_rank.py: the sampler, the
+grammar masks, logprobs) and the beam rows (worker/beam_rows.py).
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ class LoRAPlugin(Protocol):
 class SpecPlugin(Protocol):
     def propose(self, runner, so): ...  # (drafts by request id or None, draft probabilities or None)
 
-    def verify(self, runner, inputs: StepInputs, hidden: torch.Tensor, drafts, draft_probs): ...
+    def place_drafts(self, so, drafts, states, num_scheduled: np.ndarray, batch) -> None: ...
+
+    def sample_or_verify(self, runner, so, inputs: StepInputs, hidden: torch.Tensor): ...
 
     def observe(self, runner, inputs: StepInputs, hidden: torch.Tensor) -> None: ...
 
@@ -56,13 +59,20 @@ class KVTierPlugin(Protocol):
 
 
 class NoSpec:
-    """Without speculative decoding: nothing proposed, nothing observed."""
+    """Without speculative decoding: nothing proposed, every step sampled, nothing observed."""
+
+    def __init__(self, generator: Optional[torch.Generator] = None) -> None:
+        pass
 
     def propose(self, runner, so):
         return None, None
 
-    def verify(self, runner, inputs: StepInputs, hidden: torch.Tensor, drafts, draft_probs):
-        raise RuntimeError("no speculative decoding: nothing to verify")
+    def place_drafts(self, so, drafts, states, num_scheduled: np.ndarray, batch) -> None:
+        pass
+
+    def sample_or_verify(self, runner, so, inputs: StepInputs, hidden: torch.Tensor):
+        """(tokens per batch row, logprobs by request id, drafts verified per row: None)."""
+        return (*runner.sample_tokens(inputs, hidden, so.grammar), None)
 
     def observe(self, runner, inputs: StepInputs, hidden: torch.Tensor) -> None:
         pass
@@ -74,7 +84,7 @@ class RunnerPlugins:
     rank's generator, which the runner creates (None on the other ranks)."""
 
     lora: Optional[LoRAPlugin] = None
-    spec: Optional[Callable[[Optional[torch.Generator]], SpecPlugin]] = None
+    spec: Callable[[Optional[torch.Generator]], SpecPlugin] = NoSpec
     graphs: Optional[GraphPlugin] = None
     kv_tier: Optional[KVTierPlugin] = None
     # --logits-processors: builds the sampling rank's BatchProcessors (sample/logits_processors.py)
@@ -118,26 +128,7 @@ class GraphForward:
         return self.eager(inputs)
 
 
-class PipelineStageForward:
-    """One pipeline stage: the previous stage's tensors in, this stage's layers, out to the next
-    stage (the last stage returns its final hidden states)."""
-
-    def __init__(self, model, pp, device: torch.device) -> None:
-        self.model = model
-        self.pp = pp
-        self.device = device
-        self.hidden_size = getattr(model, "pp_hidden_size", None) or model.config.hidden_size
-        self.dtype = next(model.parameters()).dtype
-
-    def __call__(self, inputs: StepInputs) -> torch.Tensor:
-        pp, total = self.pp, inputs.num_tokens
-        intermediate = None
-        if not pp.is_first:
-            intermediate = pp.recv_tensors([(total, self.hidden_size)] * self.model.pp_num_intermediate, self.dtype,
-                                           self.device)
-        kw = {"mm_embeds": inputs.mm_embeds} if inputs.mm_embeds is not None else {}  # the first stage's images
-        with set_attention_metadata(inputs.attn_metadata):
-            out = self.model(inputs.input_ids, inputs.positions, intermediate, **kw)
-        if not pp.is_last:
-            pp.send_tensors(out)
-        return out
+def whole_model_forward(model, plugins: RunnerPlugins):
+    """The forward path without pipeline parallelism: graphs where the worker captured them."""
+    eager = EagerForward(model, plugins.lora)
+    return GraphForward(plugins.graphs, eager) if plugins.graphs is not None else eager

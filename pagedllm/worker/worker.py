@@ -23,7 +23,7 @@ from pagedllm.worker.cpu_threads import CpuThreadDecision, thread_governor
 from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.platform import make_platform
-from pagedllm.worker.runner_plugins import RunnerPlugins
+from pagedllm.worker.runner_plugins import NoSpec, RunnerPlugins
 
 logger = logging.getLogger(__name__)
 
@@ -358,9 +358,9 @@ class Worker:
 
     def _spec_plugin(self, num_blocks: int):
         """Speculative decoding (spec_decode/): proposers and verification, drawing from the
-        sampling rank's generator (the runner makes it)."""
+        sampling rank's generator (the runner makes it); NoSpec without it."""
         if self.config.speculative_config is None:
-            return None
+            return NoSpec
         from pagedllm.spec_decode.decoder import SpecDecoder
 
         if self.drafter is not None:
