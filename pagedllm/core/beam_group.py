@@ -123,7 +123,7 @@ class BeamGroup:
         for rank, (pid, tok, cum) in enumerate(zip(cands.parent_ids, cands.token_ids, cands.cum_logprobs)):
             parent = by_id[pid]
             stop_str = None
-            hit = at_max or tok in sp._all_stop_token_ids
+            hit = at_max or tok in sp.all_stop_token_ids
             if not hit and self.stop_checker is not None and (rank < self.width or len(nxt) < self.width):
                 stop_str = self.stop_checker(parent.output_token_ids, tok)
                 hit = stop_str is not None
@@ -164,7 +164,7 @@ class BeamGroup:
         sp = parent.sampling_params
         if stop_str is not None:
             reason, stop_reason = "stop", stop_str
-        elif tok in sp._all_stop_token_ids:
+        elif tok in sp.all_stop_token_ids:
             reason, stop_reason = "stop", (tok if tok in sp.stop_token_ids else None)
         else:
             reason, stop_reason = "length", None

@@ -124,7 +124,7 @@ class BeamRequests:
                     text = text[: cut + len(h.stop_reason)] if sp.include_stop_str_in_output else text[:cut]
         lps = None
         if h.logprobs is not None:
-            lps = [d for row in h.logprobs for d in self.output_processor._logprob_dicts(row)]
+            lps = [d for row in h.logprobs for d in self.output_processor.logprob_dicts(row)]
         return CompletionOutput(index, text, ids, h.cum_logprob, lps, h.finish_reason, h.stop_reason)
 
 

@@ -267,7 +267,7 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([tok])
 
-    def _logprob_dicts(self, lp: Logprobs) -> list[dict[int, Logprob]]:
+    def logprob_dicts(self, lp: Logprobs) -> list[dict[int, Logprob]]:
         out = []
         for ids, vals, rank in zip(lp.token_ids, lp.logprobs, lp.sampled_rank):
             d: dict[int, Logprob] = {}
@@ -286,7 +286,7 @@ class OutputProcessor:
         st.num_cached_tokens = out.num_cached_tokens
         st.num_preemptions = out.num_preemptions
         if out.prompt_logprobs is not None and st.prompt_logprobs is not None:
-            for j, d in enumerate(self._logprob_dicts(out.prompt_logprobs)):
+            for j, d in enumerate(self.logprob_dicts(out.prompt_logprobs)):
                 st.prompt_logprobs[1 + out.prompt_logprobs.start + j] = d
         if not out.new_token_ids:
             if out.finish_reason is not None:
@@ -299,7 +299,7 @@ class OutputProcessor:
         st.last_token_time = now
         st.token_ids.extend(out.new_token_ids)
         if out.logprobs is not None and st.logprobs is not None:
-            for d, vals in zip(self._logprob_dicts(out.logprobs), out.logprobs.logprobs):
+            for d, vals in zip(self.logprob_dicts(out.logprobs), out.logprobs.logprobs):
                 st.logprobs.append(d)
                 st.cumulative_logprob += vals[0]
         stopped_by_string = False

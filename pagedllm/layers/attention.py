@@ -10,6 +10,8 @@ from pagedllm.attention.forward_context import get_attention_metadata
 
 
 class Attention(nn.Module):
+    kv_planes = 2  # the worker allocates a K and a V plane per layer
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: Optional[int] = None,
                  logits_soft_cap: Optional[float] = None, alibi_slopes: Optional[torch.Tensor] = None) -> None:
         super().__init__()

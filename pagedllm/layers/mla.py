@@ -14,6 +14,7 @@ from pagedllm.attention.torch_mla import mla_attention
 
 class MLAAttention(nn.Module):
     kv_planes = 1  # the worker allocates one plane per layer, not K and V
+    sliding_window: Optional[int] = None  # attends to the whole context
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
         super().__init__()

@@ -44,7 +44,7 @@ class DraftModelProposer(PagedDrafter):
         layers = self.model.attention_layers()
         if any(getattr(layer, "sliding_window", None) for layer in layers):
             raise ValueError("speculative_config.model: draft models with sliding-window attention are not supported")
-        self.planes = getattr(layers[0], "kv_planes", 2)
+        self.planes = layers[0].kv_planes
         self._init_cache(layers, block_size, self.planes)
         self.valid: dict[str, int] = {}  # request id -> positions whose draft K/V are valid
 

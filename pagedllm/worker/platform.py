@@ -70,7 +70,7 @@ class CpuPlatform:
         return d
 
     def kv_budget(self, worker) -> int:
-        return worker._cpu_budget()  # worker.py keeps it (its tests patch that module's names)
+        return worker.kv_budget_on_cpu()  # worker.py keeps it (its tests patch that module's names)
 
     def graph_plugin(self, worker):
         return None
@@ -87,7 +87,7 @@ class CudaPlatform:
         return None
 
     def kv_budget(self, worker) -> int:
-        return worker._profile_cuda_budget()
+        return worker.kv_budget_on_cuda()
 
     def graph_plugin(self, worker):
         """CUDA graphs of decode steps, unless enforce_eager (or a feature they do not cover yet)."""

@@ -151,8 +151,8 @@ class Worker:
         layers = self.model.attention_layers()
         a0 = layers[0]
         self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype,
-                                   getattr(a0, "kv_planes", 2), kv_quant(config.kv_cache_dtype))
-        windows = {getattr(layer, "sliding_window", None) for layer in layers}
+                                   a0.kv_planes, kv_quant(config.kv_cache_dtype))
+        windows = {layer.sliding_window for layer in layers}
         # Every layer windowed alike: the scheduler frees blocks that fall out of the window.
         self.kv_sliding_window = windows.pop() if len(windows) == 1 else None
         self.backend = get_attention_backend(self.device)
@@ -186,8 +186,7 @@ class Worker:
         if get_tp_group().world_size > 1:
             raise ValueError(f"speculative_config method {spec.method!r} does not support tensor parallelism yet "
                              "(use 'ngram', or tensor_parallel_size=1)")
-        if self.kv_sliding_window is not None or any(getattr(a, "sliding_window", None)
-                                                     for a in self.model.attention_layers()):
+        if self.kv_sliding_window is not None or any(a.sliding_window for a in self.model.attention_layers()):
             raise ValueError(f"speculative_config method {spec.method!r} does not support sliding-window targets yet")
         if spec.method == "eagle":
             if self.kv_spec.planes != 2:
@@ -215,7 +214,7 @@ class Worker:
             self.budget_note += f"; capped at max_num_seqs x max_model_len ({useful} blocks)"
         return min(num_blocks, useful)
 
-    def _cpu_budget(self) -> int:
+    def kv_budget_on_cpu(self) -> int:
         """kv_cache_memory if set; else this rank's share of cpu_memory_utilization x the host
         memory still available (cgroup limits respected), less one step's activations."""
         tp = get_tp_group()
@@ -235,7 +234,8 @@ class Worker:
                             + " - activations = " + gib(budget))
         return budget
 
-    def _profile_cuda_budget(self) -> int:
+    def kv_budget_on_cuda(self) -> int:
+        """What a profiling forward at the largest batch leaves of gpu_memory_utilization."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         free, total = torch.cuda.mem_get_info()

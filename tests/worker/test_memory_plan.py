@@ -163,7 +163,7 @@ def _gpu_worker(**config):
 
     w = SimpleNamespace(config=SimpleNamespace(gpu_memory_utilization=0.9, **config), max_num_batched_tokens=2048,
                         device="cuda:0", budget_note="")
-    return lambda: Worker._profile_cuda_budget(w), w
+    return lambda: Worker.kv_budget_on_cuda(w), w
 
 
 def test_kv_cache_memory_applies_on_cuda(monkeypatch):
