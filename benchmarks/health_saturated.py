@@ -26,11 +26,13 @@ def probe(base: str, interval: float, stop, conn) -> None:
 
     health = HealthProbe(base, timeout=10)
     lat: list = []
+    sent_at: list = []  # wall-clock time of each probe (to line a slow one up with a profile)
     while not stop.is_set():
         t = time.monotonic()
+        sent_at.append(time.time())
         lat.append(time.monotonic() - t if health.status() == 200 else None)
         time.sleep(max(0.0, interval - (time.monotonic() - t)))
-    conn.send(lat)
+    conn.send((lat, sent_at))
     conn.close()
 
 
@@ -74,6 +76,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--interval", type=float, default=0.1)
+    ap.add_argument("--client-nice", type=int, default=0,
+                    help="run the load generator at this niceness (after the server and the probe started), so "
+                         "on a small machine it yields to them as a client on another host would not compete")
     ap.add_argument("--out", default="benchmarks/results/health_saturated.json")
     ap.add_argument("serve_args", nargs="*", help="after --: extra `pagedllm serve` flags")
     args = ap.parse_args()
@@ -84,11 +89,13 @@ def main() -> None:
         recv, send = multiprocessing.Pipe(duplex=False)
         prober = multiprocessing.Process(target=probe, args=(base, args.interval, stop, send))
         prober.start()
+        if args.client_nice:
+            os.nice(args.client_nice)
         t0 = time.monotonic()
         tokens, errors = asyncio.run(load(base, args.num_requests, args.concurrency, args.max_tokens))
         wall = time.monotonic() - t0
         stop.set()
-        lat = recv.recv()
+        lat, sent_at = recv.recv()
         prober.join()
     finally:
         code = stop_server(proc)
@@ -101,7 +108,8 @@ def main() -> None:
           f"serve {' '.join(args.serve_args)}; load {load_before} -> {load_after}")
     print_table([row], list(row))
     write_json(args.out, {"args": vars(args), "cmd": cmd, "load_before": load_before, "load_after": load_after,
-                          "result": row, "latencies_s": lat})
+                          "result": row, "latencies_s": lat,
+                          "probe_sent_at": sent_at})
 
 
 if __name__ == "__main__":

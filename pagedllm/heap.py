@@ -10,6 +10,7 @@ library without malloc_trim both do nothing.
 from __future__ import annotations
 
 import ctypes
+import gc
 import time
 
 _libc = None
@@ -28,6 +29,16 @@ def trim_freed_memory() -> bool:
     except (OSError, AttributeError):  # not glibc
         _libc = False
         return False
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then move every object alive now (modules, the tokenizer, the engine's Python
+    side) into the garbage collector's permanent generation, so later full collections no longer
+    walk them. In a long-lived server process only: a full collection over the ~200k objects a
+    started server holds paused its event loop 130-180 ms (/health's slowest answers under load);
+    what is frozen is never collected, so a process that builds and drops engines must not call it."""
+    gc.collect()
+    gc.freeze()
 
 
 class IdleTrimmer:

@@ -27,3 +27,30 @@ def test_the_idle_trimmer_trims_once_per_idle_stretch_after_work(monkeypatch):
 
 def test_trim_freed_memory_runs_here():
     assert heap.trim_freed_memory() in (True, False)  # glibc here: True; elsewhere a no-op
+
+
+def test_freeze_startup_objects_moves_what_lives_into_the_permanent_generation():
+    import subprocess
+    import sys
+
+    code = ("import gc; from pagedllm import heap; assert gc.get_freeze_count() == 0; "
+            "heap.freeze_startup_objects(); print(gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert int(out.stdout) > 1000  # the interpreter's and pagedllm's modules, functions, classes
+
+
+def test_the_server_calls_on_ready_once_its_engine_serves(llama_ckpt):
+    """run_server sets ``on_ready = freeze_startup_objects``; here a recorder stands in (freezing
+    this test process would keep every later test's garbage)."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.entrypoints.openai.api_server import ServerState, build_app
+    from tests.entrypoints.conftest import ENGINE_KW, LiveServer, wait_ready
+
+    calls = []
+    state = ServerState(EngineConfig(model=llama_ckpt, **ENGINE_KW), "tiny")
+    state.on_ready = lambda: calls.append(state.serving is not None)
+    live = wait_ready(LiveServer(build_app(None, state=state)))
+    try:
+        assert calls == [True]  # after the handlers exist, once
+    finally:
+        live.stop()

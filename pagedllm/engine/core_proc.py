@@ -193,6 +193,9 @@ def run_engine_core(config, skip_tokenizer_init: bool, executor_factory, conn_in
         except Exception:  # an exception that does not pickle
             conn_out.send_bytes(pickle.dumps(("failed", RuntimeError(f"{type(e).__name__}: {e}")), protocol=5))
         return
+    from pagedllm.heap import freeze_startup_objects
+
+    freeze_startup_objects()  # this process lives as long as its engine: full collections skip the start-up
     conn_out.send_bytes(pickle.dumps(("ready", {"limits": core.limits(), "stats": core.get_stats()}), protocol=5))
     loop = _CoreLoop(core, conn_in, conn_out)
     code = 0

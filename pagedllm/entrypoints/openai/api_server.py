@@ -97,6 +97,7 @@ class ServerState:
         self.pooling = None  # a PoolingServing when the model runs the pooling runner (no generation then)
         self.load_error: Optional[BaseException] = None
         self.on_load_error: Optional[Callable[[BaseException], None]] = None
+        self.on_ready: Optional[Callable[[], None]] = None  # called once the engine serves (loader thread)
         self._loader: Optional[threading.Thread] = None
         self._closed = False
         self._lock = threading.Lock()  # loader thread vs shutdown
@@ -142,6 +143,8 @@ class ServerState:
         with self._lock:
             if not self._closed:
                 self._ready(engine)
+                if self.on_ready is not None:
+                    self.on_ready()
                 return
         engine.shutdown()  # the server stopped while the engine was loading
 
@@ -168,6 +171,8 @@ class ServerState:
             self.ready_seconds = time.monotonic() - self.started
         logger.info("pooling engine ready after %.2f s: model %s (%s), max_model_len %d", self.ready_seconds,
                     self.served_model_names[0], engine.runner.arch, engine.max_model_len)
+        if self.on_ready is not None:
+            self.on_ready()
 
     def require_pooling(self):
         """The pooling handlers, or the error saying why not (loading, draining, a generative model)."""
@@ -674,6 +679,9 @@ def run_server(config: EngineConfig, server_args: ServerArgs,
 
         sock = listen_socket(args.host, args.port)  # a bad host or a busy port: one line, before any loading
     state = ServerState(config, None, args.api_key, skip_tokenizer_init=args.skip_tokenizer_init, args=args)
+    from pagedllm.heap import freeze_startup_objects
+
+    state.on_ready = freeze_startup_objects  # this process serves until it exits: see heap.py
     state.start_loading()  # overlaps model loading with the web stack's start-up
     app = build_app(config, state=state)
     server = make_server(app, args)
