@@ -506,6 +506,27 @@ def tree_rss(pids) -> int:
     return sum(_tree_rss(p) for p in pids)
 
 
+def rss_by_process(pids) -> dict:
+    """MiB resident per process of the trees under ``pids``, keyed 'pid command' (where it goes)."""
+    out, stack = {}, list(pids)
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                m = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
+            with open(f"/proc/{p}/cmdline", "rb") as f:
+                args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            what = next((a for a in args if a in ("serve", "router")), None) or (
+                "engine core / worker" if any("spawn_main" in a for a in args) else " ".join(args)[-40:])
+            out[f"{p} {what}"] = round(int(m.group(1)) / 1024, 1) if m else 0.0
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def monitor(url: str, pids: list[int], interval: float, stop, conn) -> None:
     """In its own process: GET /health every ``interval`` s (5 s timeout) and the server's RSS every
     0.5 s until ``stop`` is set; sends back the probe counts, the longest time without a 200 and
@@ -650,6 +671,9 @@ def main() -> int:
                          "(with the key), plus a category sent to it without the key")
     ap.add_argument("--warmup", type=int, default=200,
                     help="well-formed requests before the soak; the RSS after them is the baseline")
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="seconds the server stays idle before each RSS reading (after the warm-up and after the "
+                         "soak), so its idle heap trim (pagedllm/heap.py, 5-10 s into an idle stretch) has run")
     ap.add_argument("--rss-tolerance", type=float, default=0.2,
                     help="the RSS at the end may exceed the post-warm-up RSS by this fraction (default 0.2)")
     ap.add_argument("--health-limit-s", type=float, default=1.0,
@@ -683,7 +707,9 @@ def main() -> int:
     if warm:
         asyncio.run(drive(base, warm, min(args.concurrency, 16), args.request_timeout, api_key))
         wait_idle(server_base, timeout=60)
+        time.sleep(args.settle_s)
     rss_warm = tree_rss(pids) if proc else None
+    rss_warm_by_process = rss_by_process(pids) if proc else None
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
     parent, child = ctx.Pipe(duplex=False)
@@ -695,7 +721,10 @@ def main() -> int:
     results = asyncio.run(drive(base, specs, args.concurrency, args.request_timeout, api_key))
     elapsed = time.perf_counter() - t0
     after, drained_s = wait_idle(server_base, timeout=60)
+    rss_idle_at_once = tree_rss(pids) if proc else None
+    time.sleep(args.settle_s)
     rss_end = tree_rss(pids) if proc else None
+    rss_end_by_process = rss_by_process(pids) if proc else None
     stop.set()
     health = parent.recv() if parent.poll(30) else {}
     mon.join(10)
@@ -742,6 +771,9 @@ def main() -> int:
         "rss_after_warmup_mib": round(rss_warm / (1 << 20), 1) if rss_warm else None,
         "rss_after_idle_mib": round(rss_end / (1 << 20), 1) if rss_end else None,
         "rss_growth": round(rss_end / rss_warm - 1, 3) if rss_warm else None,
+        "rss_when_idle_before_settling_mib": round(rss_idle_at_once / (1 << 20), 1) if rss_idle_at_once else None,
+        "settle_s": args.settle_s,
+        "rss_by_process_mib": {"after_warmup": rss_warm_by_process, "after_idle": rss_end_by_process},
         "health_slowest_probe_s": round(health["slowest_probe_s"], 3) if "slowest_probe_s" in health else None,
         "metrics_before": before, "metrics_after": after, "drained_after_s": drained_s,
         "idle_at_end": drained_s is not None,

@@ -41,6 +41,14 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
+def collect_and_trim() -> bool:
+    """For an idle process: collect cyclic garbage first (an exception's traceback that still holds
+    a request's parsed body, say: nothing triggers a collection while nothing allocates), then
+    trim the heap."""
+    gc.collect()
+    return trim_freed_memory()
+
+
 class IdleTrimmer:
     """``busy()`` whenever work is done; ``idle()`` while there is none: the heap is trimmed once
     ``after_s`` seconds into an idle stretch that followed work."""
@@ -62,5 +70,5 @@ class IdleTrimmer:
         if self._idle_since is None:
             self._idle_since = now
         elif now - self._idle_since >= self.after_s:
-            trim_freed_memory()
+            collect_and_trim()
             self._worked = False

@@ -5,7 +5,7 @@ from pagedllm import heap
 
 def test_the_idle_trimmer_trims_once_per_idle_stretch_after_work(monkeypatch):
     calls, now = [], [0.0]
-    monkeypatch.setattr(heap, "trim_freed_memory", lambda: calls.append(now[0]) or True)
+    monkeypatch.setattr(heap, "collect_and_trim", lambda: calls.append(now[0]) or True)
     t = heap.IdleTrimmer(5.0, clock=lambda: now[0])
     for now[0] in (0.0, 10.0, 20.0):  # idle without having worked: nothing to give back
         t.idle()
@@ -54,3 +54,23 @@ def test_the_server_calls_on_ready_once_its_engine_serves(llama_ckpt):
         assert calls == [True]  # after the handlers exist, once
     finally:
         live.stop()
+
+
+def test_collect_and_trim_frees_cyclic_garbage_first():
+    import gc
+    import weakref
+
+    class Body:  # a parsed request body kept alive only by a reference cycle
+        pass
+
+    body = Body()
+    body.me = body
+    alive = weakref.ref(body)
+    del body
+    gc.disable()  # nothing else may collect it in between
+    try:
+        assert alive() is not None
+        assert heap.collect_and_trim() in (True, False)
+        assert alive() is None
+    finally:
+        gc.enable()

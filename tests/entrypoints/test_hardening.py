@@ -141,6 +141,7 @@ def test_n_counts_against_the_waiting_limit(llama_ckpt):
         assert r.headers["retry-after"] == "1"
         assert post(live, "/v1/completions", json={"prompt": PROMPT, "n": 3, "max_tokens": 1}).status_code == 200
         wait_idle(engine)
+        assert not live.state.serving.live_streams  # refused requests' stream sets were closed, not kept (a leak)
     finally:
         live.stop()
 

@@ -270,12 +270,12 @@ async def trim_loop(state: "ServerState", interval: float = 10.0) -> None:
     """Every ``interval`` s while no request is in flight, the heap's free memory goes back to the
     system (pagedllm/heap.py): large bodies parsed, refused or answered leave glibc's heap at its
     high-water mark otherwise. Off the event loop (a trim walks the whole heap)."""
-    from pagedllm.heap import trim_freed_memory
+    from pagedllm.heap import collect_and_trim
 
     while True:
         await asyncio.sleep(interval)
         if state.engine is not None and state.engine.num_unfinished() == 0:
-            await asyncio.to_thread(trim_freed_memory)
+            await asyncio.to_thread(collect_and_trim)
 
 
 class _SSEResponse(StreamingResponse):

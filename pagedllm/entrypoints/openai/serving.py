@@ -157,15 +157,20 @@ class StreamSet:
         self._queue.put_nowait((-1, error))
 
     async def start(self) -> "StreamSet":
-        self._engine.check_can_fit(sum(sequences_of(p) for _, p, _ in self._items))  # all prompts together
-        for i, (prompt, params, rid) in enumerate(self._items):
-            self._tasks.append(asyncio.create_task(self._pump(i, self._engine.generate(prompt, params, rid,
-                                                                                      **self._lora))))
-        # One loop turn runs each generate() up to its first wait: admission errors show up now.
-        await asyncio.sleep(0)
-        if self._errors:
+        """Admit every prompt; on any failure (a refusal, the caller cancelled) the set is closed
+        before the error leaves: nothing stays in the live set or keeps generating."""
+        try:
+            self._engine.check_can_fit(sum(sequences_of(p) for _, p, _ in self._items))  # all prompts together
+            for i, (prompt, params, rid) in enumerate(self._items):
+                self._tasks.append(asyncio.create_task(self._pump(i, self._engine.generate(prompt, params, rid,
+                                                                                          **self._lora))))
+            # One loop turn runs each generate() up to its first wait: admission errors show up now.
+            await asyncio.sleep(0)
+            if self._errors:
+                raise self._errors[0]
+        except BaseException:
             self.close()
-            raise self._errors[0]
+            raise
         return self
 
     async def _pump(self, i: int, gen) -> None:
