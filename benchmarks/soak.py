@@ -485,30 +485,10 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int | None, str]:
         return None, ""
 
 
-def _tree_rss(pid: int) -> int:
-    """Resident bytes of ``pid`` and its descendants (Linux /proc)."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/status") as f:
-                m = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
-            total += int(m.group(1)) * 1024 if m else 0
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    stack += [int(c) for c in f.read().split()]
-        except (OSError, ValueError):
-            continue
-    return total
-
-
-def tree_rss(pids) -> int:
-    return sum(_tree_rss(p) for p in pids)
-
-
-def rss_by_process(pids) -> dict:
-    """MiB resident per process of the trees under ``pids``, keyed 'pid command' (where it goes)."""
-    out, stack = {}, list(pids)
+def _process_tree(pids):
+    """(pid, resident bytes, command-line words) of every process in the trees under ``pids``
+    (Linux /proc; processes that ended meanwhile are skipped)."""
+    stack = list(pids)
     while stack:
         p = stack.pop()
         try:
@@ -516,14 +496,26 @@ def rss_by_process(pids) -> dict:
                 m = re.search(r"^VmRSS:\s+(\d+) kB", f.read(), re.M)
             with open(f"/proc/{p}/cmdline", "rb") as f:
                 args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-            what = next((a for a in args if a in ("serve", "router")), None) or (
-                "engine core / worker" if any("spawn_main" in a for a in args) else " ".join(args)[-40:])
-            out[f"{p} {what}"] = round(int(m.group(1)) / 1024, 1) if m else 0.0
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     stack += [int(c) for c in f.read().split()]
         except (OSError, ValueError):
             continue
+        yield p, int(m.group(1)) * 1024 if m else 0, args
+
+
+def tree_rss(pids) -> int:
+    """Resident bytes of ``pids`` and their descendants."""
+    return sum(rss for _, rss, _ in _process_tree(pids))
+
+
+def rss_by_process(pids) -> dict:
+    """MiB resident per process of the trees under ``pids``, keyed 'pid command' (where it goes)."""
+    out = {}
+    for p, rss, args in _process_tree(pids):
+        what = next((a for a in args if a in ("serve", "router")), None) or (
+            "engine core / worker" if any("spawn_main" in a for a in args) else " ".join(args)[-40:])
+        out[f"{p} {what}"] = round(rss / (1 << 20), 1)
     return out
 
 
