@@ -81,3 +81,23 @@ def test_a_raising_store_degrades_to_recompute():
     t = TierTransfers(Broken(), cs)
     failed, _ = t.run(KVTransfers(stores=(TierCopy(0, 2, b"x"),), loads=(TierCopy(1, 3, b"y"),), seq=1))
     assert failed == frozenset({1}) and Broken.discarded == [2]
+
+
+def test_an_unused_host_tier_costs_no_resident_memory():
+    """The pool's pages are faulted in when first written: a 512 MiB tier is not 512 MiB of RSS
+    (nor a half-second memset) at start-up."""
+    def rss_mib() -> float:
+        with open("/proc/self/status") as f:
+            return int(f.read().split("VmRSS:")[1].split()[0]) / 1024
+
+    layout = TierBlockLayout(((2, 4, 16, 8, 64),), (torch.bfloat16,))  # 128 KiB a block
+    before = rss_mib()
+    store = HostTierStore(layout, 4096)  # 512 MiB
+    assert store.nbytes == 512 << 20
+    assert rss_mib() - before < 64
+    out = layout.empty_batch(1)
+    assert store.get([5], [b"h"], out) == [False]
+    cs = [torch.ones(2, 4, 1, 16, 8, 64, dtype=torch.bfloat16)]
+    store.put([5], [b"h"], cs)
+    assert store.get([5], [b"h"], out) == [True] and torch.equal(out[0], cs[0])
+    assert not store.pools[0][:, :, 4].any()  # the rest reads as zeros
