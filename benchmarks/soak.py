@@ -663,6 +663,9 @@ def main() -> int:
                          "(with the key), plus a category sent to it without the key")
     ap.add_argument("--warmup", type=int, default=200,
                     help="well-formed requests before the soak; the RSS after them is the baseline")
+    ap.add_argument("--warmup-mixed", type=int, default=0,
+                    help="after --warmup, this many requests of the soak's own mix (hostile and malformed ones "
+                         "included, judged like the rest) before the RSS baseline")
     ap.add_argument("--settle-s", type=float, default=0.0,
                     help="seconds the server stays idle before each RSS reading (after the warm-up and after the "
                          "soak), so its idle heap trim (pagedllm/heap.py, 5-10 s into an idle stretch) has run")
@@ -676,8 +679,11 @@ def main() -> int:
     extra = [a for a in args.serve_args if a != "--"]
 
     huge = int(args.huge_body_mib * (1 << 20))
-    specs = workload(args.num_requests, args.seed, huge, router=args.router)
+    # --warmup-mixed: the warm-up is the head of the same mixed workload (the soak is its tail, so
+    # every "distinct" body stays distinct): the baseline is taken after the server met each kind once
+    specs = workload(args.warmup_mixed + args.num_requests, args.seed, huge, router=args.router)
     warm = [normal_spec(random.Random(args.seed + 1 + k), "completion") for k in range(args.warmup)]
+    warm, specs = warm + specs[:args.warmup_mixed], specs[args.warmup_mixed:]
     log_path = args.server_log or tempfile.mkstemp(prefix="pagedllm-soak-", suffix=".log")[1]
     proc, server_cmd, ready_s, router_proc, api_key = None, None, None, None, None
     if args.base_url:
@@ -696,8 +702,10 @@ def main() -> int:
         router_proc, base, _, _ = start_server(None, [], log_path + ".router", args.startup_timeout, router_cmd)
         print(f"router ready at {base}")
     pids = [p.pid for p in (proc, router_proc) if p] or [os.getpid()]
+    warm_verdicts: dict = {}
     if warm:
-        asyncio.run(drive(base, warm, min(args.concurrency, 16), args.request_timeout, api_key))
+        for out in asyncio.run(drive(base, warm, min(args.concurrency, 16), args.request_timeout, api_key)):
+            warm_verdicts[out["verdict"]] = warm_verdicts.get(out["verdict"], 0) + 1
         wait_idle(server_base, timeout=60)
         time.sleep(args.settle_s)
     rss_warm = tree_rss(pids) if proc else None
@@ -759,7 +767,8 @@ def main() -> int:
         "health_longest_gap_starts_at_s": health.get("longest_gap_starts_at_s"),
         "rss_mib": {"start": round(rss_mib[0], 1), "peak": round(max(rss_mib), 1),
                     "end": round(rss_mib[-1], 1)} if rss_mib else None,
-        "warmup_requests": len(warm), "router": args.router,
+        "warmup_requests": len(warm), "warmup_mixed": args.warmup_mixed, "warmup_verdicts": warm_verdicts,
+        "router": args.router,
         "rss_after_warmup_mib": round(rss_warm / (1 << 20), 1) if rss_warm else None,
         "rss_after_idle_mib": round(rss_end / (1 << 20), 1) if rss_end else None,
         "rss_growth": round(rss_end / rss_warm - 1, 3) if rss_warm else None,
@@ -806,6 +815,7 @@ def main() -> int:
         print(f"wrote {args.out}")
     summary_gates = {
         "no_5xx": not summary["status_5xx"], "no_stalls": not summary["stalls"], "idle_at_end": summary["idle_at_end"],
+        "warmup_all_ok": set(warm_verdicts) <= {"ok"},
         "server_exit_0": not proc or exit_code == 0,
         "health_always_200": not health.get("non_200"),
         "health_within_limit": health.get("longest_gap_s", 0.0) <= args.health_limit_s,
