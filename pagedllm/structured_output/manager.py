@@ -102,6 +102,7 @@ class StructuredOutputManager:
         if hit is not None:
             mine.set_result(hit)
             return mine
+        started = None
         with self._lock:
             shared = self._inflight.get(key)
             if shared is None:
@@ -112,11 +113,12 @@ class StructuredOutputManager:
                         f"structured_max_queued_compiles = {self.limits.workers + self.limits.max_queued}; retry later")
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(max_workers=self.limits.workers, thread_name_prefix="pagedllm-grammar")
-                shared = self._pool.submit(self._compile, key)
+                shared = started = self._pool.submit(self._compile, key)
                 self._inflight[key] = shared
-                shared.add_done_callback(lambda f, k=key: self._done(k, f))
             self._waiters[key] = self._waiters.get(key, 0) + 1
             self._abandoned.discard(key)
+        if started is not None:  # outside the lock: a compile that already ended runs _done (which locks) right here
+            started.add_done_callback(lambda f, k=key: self._done(k, f))
         shared.add_done_callback(lambda f: _relay(f, mine))
         mine.add_done_callback(lambda f, k=key: self._withdraw(k, f))
         return mine

@@ -163,3 +163,29 @@ def test_structural_tag_constrains_the_tagged_part(tokenizer):
                 {"structures": [], "triggers": ["<f>"]}, {"format": {"type": "nope"}}):
         with pytest.raises(ValueError, match="^structured_outputs.structural_tag"):
             b.compile(S(structural_tag=bad))
+
+
+def test_a_compile_that_ends_before_submit_returns_does_not_deadlock(tokenizer):
+    """A compile can end before submit() registers its callbacks (a fast or cached one); the done
+    callback then runs in the submitting thread, which once still held the manager's lock (a
+    hang in CI). Forced here with a pool that finishes every compile inside submit."""
+    from concurrent.futures import Future
+
+    class DoneAtOnce:
+        def submit(self, fn, *args):
+            f = Future()
+            f.set_result(fn(*args))
+            return f
+
+        def shutdown(self, *args, **kw):
+            pass
+
+    m = manager(tokenizer)
+    m._pool = DoneAtOnce()
+    got = []
+    t = threading.Thread(target=lambda: got.append(m.submit(S(choice=["yes", "no"])).result(5)), daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "submit() deadlocked on its own lock"
+    assert got and got[0] is not None
+    assert m.num_inflight_compiles == 0 and not m._waiters
