@@ -42,7 +42,7 @@ class DraftModelProposer(PagedDrafter):
                              f"target {target_vocab_size}: a draft model must share the target's tokenizer")
         self.model = self._build(lambda: resolve_model_class(hf)(hf), lambda m: load_weights(m, path))
         layers = self.model.attention_layers()
-        if any(getattr(layer, "sliding_window", None) for layer in layers):
+        if any(layer.sliding_window for layer in layers):
             raise ValueError("speculative_config.model: draft models with sliding-window attention are not supported")
         self.planes = layers[0].kv_planes
         self._init_cache(layers, block_size, self.planes)
