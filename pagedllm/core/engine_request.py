@@ -3,7 +3,7 @@
 ``EngineCoreRequest``: one request, validated and tokenised once by the front end's
 InputProcessor, carrying everything the core needs: the prompt's token ids, the sampling
 parameters with the stop tokens resolved, the effective token cap, its fan-out (``n`` / best_of
-children, or one beam group), its LoRA adapter. The core turns it into its own Request(s).
+children, or one beam group), its LoRA adapter, priority and deadline. The core turns it into its own Request(s).
 ``EngineCoreOutputs``: what one core step sends back (the per-request outputs, the scheduler's
 statistics, the step's phase timings). Both are plain picklable dataclasses (no callables, no
 tokenizer): the multiprocess client ships them over a pipe.
@@ -49,6 +49,7 @@ class EngineCoreRequest:
     cache_salt: Optional[str] = None  # keys its first KV block with the tokens (tenants never share KV)
     priority: int = 0  # scheduling_policy "priority": lower first (0 otherwise)
     mm_features: tuple = ()  # its prompt's images (contracts.MultiModalFeature), placeholders expanded
+    deadline: Optional[float] = None  # time.monotonic() past which the core ends it with "abort" (core/deadlines.py)
 
     @property
     def child_ids(self) -> list[str]:

@@ -63,6 +63,7 @@ class Request:
         "priority",
         "unit",
         "mm_features",
+        "deadline",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class Request:
         lora: Optional[LoRAHandle] = None,
         priority: int = 0,
         mm_features: tuple = (),
+        deadline: Optional[float] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -102,6 +104,7 @@ class Request:
         # its prompt's images (contracts.MultiModalFeature): placeholder spans, content hashes (in the
         # block hash chain) and the encoder inputs the workers get with it
         self.mm_features = tuple(mm_features)
+        self.deadline = deadline  # time.monotonic() past which the core ends it (None: never)
 
     @property
     def cache_key(self) -> Optional[str]:

@@ -21,6 +21,7 @@ until the allocation succeeds or the unit itself was the victim.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
@@ -28,6 +29,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 from pagedllm.core.admission import AdmissionConstraint, LoRASlots, InFlightBatches, make_constraints
 from pagedllm.core.beam_scheduling import BeamUnit
 from pagedllm.core.grammar_wait import GrammarSource, GrammarUnit
+from pagedllm.core.deadlines import DeadlineWatch
 from pagedllm.core.contracts import (
     CachedRequestData,
     EngineCoreOutput,
@@ -89,6 +91,8 @@ class Scheduler:
         self._preempted_ids: set[str] = set()  # workers drop these next step (preempted or rewound)
         self._sent_to_workers: dict[str, int] = {}  # request id -> the tokens the workers hold of it
         self._failed: list[EngineCoreOutput] = []  # finished while scheduled, for take_failed()
+        self.deadlines = DeadlineWatch()  # requests carrying a deadline (core/deadlines.py)
+        self.num_expired = 0  # requests ended by their deadline
         self.grammars = grammars
         self.num_preemptions = 0
         self.num_waiting_deferred = 0  # waiting requests the last step set aside (SchedulerStats)
@@ -133,13 +137,15 @@ class Scheduler:
             request.unit = RequestUnit(request)
         self.requests[request.request_id] = request
         self.policy.enqueue(self.waiting, request)
+        if request.deadline is not None:
+            self.deadlines.add(request.request_id, request.deadline)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._failed)
 
     def take_failed(self) -> list[EngineCoreOutput]:
-        """The "error" outputs of requests that finished while they were scheduled (once each): a
-        unit raised, a grammar did not compile."""
+        """The outputs of requests that finished while they were scheduled (once each): "error"
+        when a unit raised or a grammar did not compile, "abort" when a deadline passed."""
         failed, self._failed = self._failed, []
         return failed
 
@@ -147,6 +153,8 @@ class Scheduler:
     def schedule(self, only: Optional[set[str]] = None) -> SchedulerOutput:
         """``only``: schedule just these requests (the others wait a step), used to find the
         request that made a step fail."""
+        if self.deadlines and only is None:
+            self._expire(time.monotonic())
         plan = StepPlan(self.limits.max_num_batched_tokens, only)
         if not self.running and self.grammars is not None and self.grammars.num_compiling >= len(self.waiting):
             self.grammars.wait(0.05)  # nothing can run until a grammar is ready: wait for one, briefly
@@ -158,6 +166,25 @@ class Scheduler:
         if not plan.num_preempted:  # memory is tight: admit nobody this step
             self._admit_waiting(plan)
         return self._close_step(plan)
+
+    def _expire(self, now: float) -> None:
+        """End the requests (beam groups) past their deadline, as an abort would, and tell their
+        callers: a plain request's output ends it with "abort" (a beam search's, with its live
+        beams so far)."""
+        def live(rid: str) -> bool:
+            return rid in self.requests or rid in self.beam_groups
+
+        for rid in self.deadlines.expired(now, live):
+            logger.info("request %s: past its deadline; it finishes with \"abort\"", rid)
+            self.num_expired += 1
+            try:
+                done = self._finish_units([rid], RequestStatus.FINISHED_ABORTED)
+            except Exception:
+                logger.exception("request %s: ending it at its deadline raised", rid)
+                self._failed.extend(self.fail_request(rid))
+                continue
+            for uid, out in done:
+                self._failed.append(out if out is not None else EngineCoreOutput(uid, [], finish_reason="abort"))
 
     def _batch_full(self, plan: StepPlan) -> bool:
         return plan.budget <= 0 or any(c.batch_full(len(plan.num_scheduled)) for c in self.constraints)

@@ -121,10 +121,12 @@ class AsyncLLM:
         return self._num_pending
 
     async def generate(
-        self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None, lora_request=None
+        self, prompt: PromptType, params: SamplingParams, request_id: Optional[str] = None, lora_request=None,
+        deadline: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields delta RequestOutputs; the last one has ``finished=True``. ``lora_request``: the
-        LoRA adapter to run with (None: the base model)."""
+        LoRA adapter to run with (None: the base model). ``deadline``: time.monotonic() past which
+        the core ends the request itself ("abort"), wherever it is (core/deadlines.py)."""
         if not self.is_running:
             raise EngineDeadError(DEAD_MESSAGE)
         if params.n > self.config.max_n:
@@ -144,7 +146,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         # Validated and tokenised once, here (ValueError on bad input, here and now).
-        processed = self.engine.make_request(request_id, prompt, params, time.monotonic(), lora_request)
+        processed = self.engine.make_request(request_id, prompt, params, time.monotonic(), lora_request, deadline)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._count(request_id, seqs)

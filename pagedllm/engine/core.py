@@ -127,6 +127,8 @@ class EngineCore:
         extra = {"priority": r.priority} if r.priority else {}  # refused by the server unless the policy is "priority"
         if r.mm_features:  # its images: placeholder spans (hashed into its blocks) and the encoder's inputs
             extra["mm_features"] = r.mm_features
+        if r.deadline is not None:  # every child (or the beam group) ends with it
+            extra["deadline"] = r.deadline
         if r.beam is not None:
             from pagedllm.engine.beam_search import make_beam_group
 

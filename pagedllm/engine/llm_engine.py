@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from pagedllm.config import EngineConfig
@@ -113,23 +113,30 @@ class LLMEngine:
         output_kind: str = OUTPUT_FINAL,
         arrival_time: Optional[float] = None,
         lora_request=None,
+        deadline: Optional[float] = None,
     ) -> str:
+        """``deadline``: time.monotonic() past which the core ends the request with "abort"."""
         request_id = request_id or self.new_request_id()
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.add_core_request(self.make_request(request_id, prompt, params, arrival_time, lora_request), output_kind)
+        self.add_core_request(self.make_request(request_id, prompt, params, arrival_time, lora_request, deadline),
+                              output_kind)
         return request_id
 
     def make_request(self, request_id: str, prompt: PromptType, params, arrival_time: Optional[float] = None,
-                     lora_request=None) -> "ProcessedRequest":
+                     lora_request=None, deadline: Optional[float] = None) -> "ProcessedRequest":
         """Validate and tokenise a request (ValueError naming the field); no state changes, so
-        any thread may call it."""
+        any thread may call it. ``deadline``: time.monotonic() past which the core ends it."""
         ip = self.input_processor
         if isinstance(params, BeamSearchParams):  # one beam group; its result comes once, when the search ends
             prompt, req = ip.make_beam_request(request_id, prompt, params, arrival_time, lora_request)
-            return ProcessedRequest(req, prompt.text, None)
-        prompt, req = ip.make_request(request_id, prompt, params, arrival_time, lora_request)
-        return ProcessedRequest(req, prompt.text, params if uses_best_of(params) else None)
+            best_of = None
+        else:
+            prompt, req = ip.make_request(request_id, prompt, params, arrival_time, lora_request)
+            best_of = params if uses_best_of(params) else None
+        if deadline is not None:
+            req = replace(req, deadline=deadline)
+        return ProcessedRequest(req, prompt.text, best_of)
 
     def add_core_request(self, processed: "ProcessedRequest", output_kind: str = OUTPUT_FINAL) -> None:
         """Track a made request and send it to the core."""

@@ -149,6 +149,7 @@ class StreamSet:
         self._errors: list[BaseException] = []
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._core_kw = dict(self._lora, **({"deadline": self._deadline} if self._deadline is not None else {}))
         self._live = live if live is not None else set()  # every open set, so a shutdown can end them
         self._live.add(self)
 
@@ -163,7 +164,7 @@ class StreamSet:
             self._engine.check_can_fit(sum(sequences_of(p) for _, p, _ in self._items))  # all prompts together
             for i, (prompt, params, rid) in enumerate(self._items):
                 self._tasks.append(asyncio.create_task(self._pump(i, self._engine.generate(prompt, params, rid,
-                                                                                          **self._lora))))
+                                                                                          **self._core_kw))))
             # One loop turn runs each generate() up to its first wait: admission errors show up now.
             await asyncio.sleep(0)
             if self._errors:
@@ -198,8 +199,14 @@ class StreamSet:
                 remaining -= 1
             elif isinstance(item, BaseException):
                 raise item
+            elif self._expired(item):  # the core ended it at the deadline it carries (core/deadlines.py)
+                raise RequestTimeout(self._timeout)
             else:
                 yield i, item
+
+    def _expired(self, item) -> bool:
+        return (self._deadline is not None and item.finished and time.monotonic() >= self._deadline
+                and any(o.finish_reason == "abort" for o in item.outputs))
 
     def close(self) -> None:
         """Cancel every pump: each engine stream is closed, which aborts its request. Synchronous,
