@@ -17,6 +17,11 @@ beside a copy of its weights so both servers and the client tokenize text the sa
 (name it in ``--engines``, e.g. ``--engines pagedllm,NAME,vllm``): settings compared back to back
 in one run. After each run the server's /metrics give the engine steps it ran and the tokens per
 step (pagedllm: steps and their total seconds; vLLM: its iteration-tokens histogram).
+
+``--probe-health S``: while the client runs, a thread GETs /health every S seconds (0.1 is issue
+31's probe) and the row gets its p50 / p99 / max latency and the number of answers that were not
+200 in time (each probe waits at most 5 s). ``--rounds N`` alternates the engines N times, so a
+change in the host's load hits them alike.
 """
 from __future__ import annotations
 
@@ -28,8 +33,10 @@ import shlex
 import signal
 import socket
 import subprocess
+import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -145,6 +152,47 @@ def server_counters(url: str) -> dict:
     return out
 
 
+class HealthProbe:
+    """GET ``url``/health every ``period`` seconds on a thread of its own, from start() to stop()."""
+
+    def __init__(self, url: str, period: float) -> None:
+        self.url, self.period = url + "/health", period
+        self.latencies: list[float] = []
+        self.failures = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> "HealthProbe":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        next_at = time.perf_counter()
+        while not self._stop.is_set():
+            t = time.perf_counter()
+            try:
+                with urllib.request.urlopen(self.url, timeout=5) as r:
+                    r.read()
+                    ok = r.status == 200
+            except OSError:
+                ok = False
+            self.latencies.append(time.perf_counter() - t)
+            self.failures += not ok
+            next_at += self.period
+            self._stop.wait(max(0.0, next_at - time.perf_counter()))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        lat = sorted(self.latencies)
+        if not lat:
+            return {}
+        q = statistics.quantiles(lat, n=100, method="inclusive") if len(lat) > 1 else [lat[0]] * 99
+        return {"health_probes": len(lat), "health_p50_ms": round(1e3 * q[49], 1),
+                "health_p99_ms": round(1e3 * q[98], 1), "health_max_ms": round(1e3 * lat[-1], 1),
+                "health_not_200": self.failures}
+
+
 def run_client(args, model: str, port: int, result_dir: str) -> dict:
     cmd = [args.vllm_python, "-c", CLIENT, "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--model", model, "--dataset-name", "random", "--random-input-len", str(args.input_len),
@@ -176,13 +224,17 @@ def main() -> None:
     ap.add_argument("--neighbours", type=int, default=0,
                     help="busy-loop processes on the same CPUs while the client runs (started after the server is "
                          "ready, stopped when the client ends): the shared-host case")
+    ap.add_argument("--probe-health", type=float, default=0.0, metavar="S",
+                    help="GET /health every S seconds while the client runs (0: no probe)")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times")
     ap.add_argument("--out", default="benchmarks/results/serve_vs_vllm.json")
     args = ap.parse_args()
     args.variants = dict(v.split("=", 1) for v in args.variant)
 
     model = model_with_text_tokenizer(args.model)
     rows = []
-    for engine in [e for e in args.engines.split(",") if e]:
+    engines = [e for e in args.engines.split(",") if e]
+    for round_no, engine in ((k, e) for k in range(args.rounds) for e in engines):
         port = free_port()
         with tempfile.TemporaryDirectory() as d, open(os.path.join(d, "server.log"), "w+") as log:
             proc = start_server(engine, model, port, args, log)
@@ -190,9 +242,11 @@ def main() -> None:
                 ready = wait_ready(f"http://127.0.0.1:{port}", proc, args.ready_timeout)
                 load_before = os.getloadavg()[0]
                 neighbours = start_neighbours(args.neighbours) if args.neighbours else []
+                probe = HealthProbe(f"http://127.0.0.1:{port}", args.probe_health).start() if args.probe_health else None
                 try:
                     r = run_client(args, model, port, d)
                 finally:
+                    health = probe.stop() if probe is not None else {}
                     stop_neighbours(neighbours)
                 counters = server_counters(f"http://127.0.0.1:{port}")
             except Exception:
@@ -201,18 +255,20 @@ def main() -> None:
                 raise
             finally:
                 stop(proc)
-        row = {"engine": engine, "ready_s": round(ready, 1), "neighbours": args.neighbours,
+        row = {"engine": engine, "round": round_no + 1, "ready_s": round(ready, 1), "neighbours": args.neighbours,
                "load_avg_before": round(load_before, 2)}
         row.update({k: round(r[k], 2) if isinstance(r.get(k), float) else r.get(k) for k in METRICS})
         row.update(counters)
+        row.update(health)
         row["load_avg_after"] = round(os.getloadavg()[0], 2)
         rows.append(row)
         print(f"{engine}: {row}", flush=True)
     print(f"\nmodel={args.model} dtype={args.dtype} input={args.input_len} output={args.output_len} "
           f"prompts={args.num_prompts} rate={args.request_rate} busy neighbours={args.neighbours}")
-    print_table(rows, ["engine", "completed", "total_token_throughput", "median_ttft_ms", "p99_ttft_ms",
+    health_cols = ["health_p50_ms", "health_p99_ms", "health_max_ms", "health_not_200"] if args.probe_health else []
+    print_table(rows, ["engine", "round", "completed", "total_token_throughput", "median_ttft_ms", "p99_ttft_ms",
                        "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "steps", "tokens_per_step",
-                       "mean_step_ms", "load_avg_before", "load_avg_after"])
+                       "mean_step_ms", *health_cols, "load_avg_before", "load_avg_after"])
     write_json(args.out, {"args": vars(args), "results": rows, "argv": sys.argv})
 
 
