@@ -9,6 +9,7 @@ from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, to_b
 from pagedllm.engine.llm_engine import OUTPUT_FINAL, LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine, wants_pooling
 from pagedllm.entrypoints.pooling_api import PoolingAPI
+from pagedllm.heap import old_objects_frozen
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.tokenizer import apply_chat_template
@@ -165,12 +166,8 @@ class LLM(PoolingAPI):
 
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in index:
-                        results[index[out.request_id]] = out
-                        if bar is not None:
-                            bar.update(1)
+            with old_objects_frozen():
+                self._step_until_done(index, results, bar)
         except BaseException:
             engine.abort_request(ids)
             raise
@@ -178,6 +175,15 @@ class LLM(PoolingAPI):
             if bar is not None:
                 bar.close()
         return results  # type: ignore[return-value]
+
+    def _step_until_done(self, index: dict, results: list, bar) -> None:
+        engine = self.engine
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished and out.request_id in index:
+                    results[index[out.request_id]] = out
+                    if bar is not None:
+                        bar.update(1)
 
     def beam_search(self, prompts: Union[str, Sequence[Any]], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
