@@ -129,6 +129,8 @@ class EngineConfig:
     kernel_cache_dir: str = field(default_factory=envs.kernel_cache_dir)
     cpu_keep_freed_memory: bool = field(default_factory=envs.cpu_keep_freed_memory)
     cpu_kv_cache_prefault: bool = False  # fault the KV cache's pages in at start-up, not at first write (worker/cpu_memory.py)
+    # else: fault in the lowest blocks' pages, up to this many bytes, while the engine idles (0: off)
+    cpu_kv_cache_idle_prefault: int = 1 << 30
     cpu_threads: Optional[int] = field(default_factory=envs.cpu_threads)
     cpu_threads_bind: Optional[str] = field(default_factory=envs.cpu_threads_bind)
     # one intra-op thread while the cores are oversubscribed (worker/cpu_threads.ThreadGovernor);
@@ -347,6 +349,12 @@ class EngineConfig:
             object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory, "kv_cache_memory"))
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if isinstance(self.cpu_kv_cache_idle_prefault, str):
+            object.__setattr__(self, "cpu_kv_cache_idle_prefault",
+                               parse_size(self.cpu_kv_cache_idle_prefault, "cpu_kv_cache_idle_prefault"))
+        if isinstance(self.cpu_kv_cache_idle_prefault, bool) or self.cpu_kv_cache_idle_prefault < 0:
+            raise ValueError(f"cpu_kv_cache_idle_prefault must be >= 0 bytes (0: off), got "
+                             f"{self.cpu_kv_cache_idle_prefault!r}")
         if not (0.0 < self.cpu_memory_utilization <= 1.0):
             raise ValueError(f"cpu_memory_utilization must be in (0, 1], got {self.cpu_memory_utilization}")
         if not (0.0 < self.gpu_memory_utilization <= 1.0):

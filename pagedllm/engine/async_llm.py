@@ -285,7 +285,8 @@ class AsyncLLM:
                 if not engine.has_unfinished_requests() and engine.client.in_process:
                     engine.client.check_alive()  # e.g. a Ray worker died while idle: fail now, /health turns 503
                     self.stats = engine.get_stats()
-                    self._wakeup.wait(0.5)
+                    # the core's idle work a slice at a time (a request waits at most one), then sleep
+                    self._wakeup.wait(0.0 if engine.client.idle_work(0.002) else 0.5)
                     self._wakeup.clear()
                     continue
                 t0 = time.perf_counter()

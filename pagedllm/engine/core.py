@@ -149,6 +149,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
+    def idle_work(self, seconds: float) -> bool:
+        """While nothing runs: the executor's idle work (the CPU KV cache's prefault) for about
+        ``seconds``; whether any is left. The loop that calls it takes requests between calls."""
+        return not self.has_unfinished_requests() and self.executor.idle_work(seconds)
+
     def _update(self, so, runner_output) -> list[EngineCoreOutput]:
         try:  # each request is isolated inside; this is the last resort: the step's requests fail, not the engine
             return self.scheduler.update_from_output(so, runner_output)

@@ -74,6 +74,11 @@ class EngineCoreClient(Protocol):
         """Raise EngineCoreDeadError when the core cannot run another step."""
         ...
 
+    def idle_work(self, seconds: float) -> bool:
+        """An idle in-process core's idle work (EngineCore.idle_work); whether any is left. A core
+        in its own process does its own: False."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -121,6 +126,9 @@ class InprocClient:
         executor = self.core.executor
         if executor.is_dead:  # e.g. a Ray worker died while idle
             raise EngineCoreDeadError(executor.dead_reason or "the engine's workers died")
+
+    def idle_work(self, seconds: float) -> bool:
+        return self.core.idle_work(seconds)
 
     def shutdown(self) -> None:
         self.core.shutdown()
@@ -371,6 +379,9 @@ class MultiprocClient:
             raise EngineCoreDeadError(self._dead)
         if self._closed:
             raise EngineCoreDeadError("the engine core was shut down")
+
+    def idle_work(self, seconds: float) -> bool:
+        return False  # the core's process does its own while it idles
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._closed:

@@ -161,8 +161,10 @@ class _CoreLoop:
             trimmer.busy() if busy else trimmer.idle()
             immediate: list = []
             handled = False
-            # Block while idle; while busy only take what is already there.
-            if self.conn_in.poll(0 if busy else 1.0):
+            # Block while idle (after the idle work, a slice at a time); while busy only take
+            # what is already there.
+            wait_s = 0.0 if busy or core.idle_work(IDLE_SLICE_S) else 1.0
+            if self.conn_in.poll(wait_s):
                 while self.running and self.conn_in.poll(0):
                     immediate.extend(self.handle(pickle.loads(self.conn_in.recv_bytes())))  # EOFError: the front end is gone
                     handled = True
@@ -178,6 +180,9 @@ class _CoreLoop:
     def _unfinished(self) -> int:
         stats = self.core.get_stats()
         return stats.num_running + stats.num_waiting + int(self.core.has_unfinished_requests())
+
+
+IDLE_SLICE_S = 0.002  # idle work between two looks at the input pipe (a request waits at most about this)
 
 
 def run_engine_core(config, skip_tokenizer_init: bool, executor_factory, conn_in, conn_out,

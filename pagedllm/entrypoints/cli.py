@@ -68,6 +68,9 @@ _HELP = {
                              "at its peak); env PAGEDLLM_CPU_KEEP_FREED_MEMORY=0 turns the default off",
     "cpu_kv_cache_prefault": "fault the CPU KV cache's pages in at start-up (as a torch.zeros cache is) instead of at "
                              "each block's first write: slower start-up, no first-touch cost while serving",
+    "cpu_kv_cache_idle_prefault": "without --cpu-kv-cache-prefault: fault in the pages of the CPU KV cache's lowest "
+                                  "blocks (the first handed out), up to this size, while the engine has nothing to do "
+                                  "(default 1GiB; 0 turns it off; a request waits at most one 2 MiB slice)",
     "cpu_threads": "torch threads per rank on CPU (default: all cores with one rank, cores / ranks with tensor "
                    "parallelism, or the bound CPUs' count; env PAGEDLLM_THREADS_PER_RANK)",
     "cpu_threads_adapt": "on CPU, drop to one intra-op thread while the cores are oversubscribed (run-queue waits) "
@@ -117,7 +120,7 @@ def parse_size(text: str) -> int:
 
 def _field_type(f: dataclasses.Field):
     t = str(f.type)
-    if f.name in ("kv_cache_memory", "media_fetch_max_bytes"):
+    if f.name in ("kv_cache_memory", "media_fetch_max_bytes", "cpu_kv_cache_idle_prefault"):
         return parse_size
     for name, conv in (("bool", bool), ("int", int), ("float", float), ("str", str)):
         if re.search(rf"\b{name}\b", t):

@@ -53,6 +53,12 @@ class Executor(Protocol):
         The step's structured-output masks (``scheduler_output.grammar``) go to the sampling rank only."""
         ...
 
+    def idle_work(self, seconds: float) -> bool:
+        """Work the workers do while the engine has nothing to run (the CPU KV cache's idle
+        prefault), for about ``seconds``; whether any is left (False: nothing to do, or its
+        workers run elsewhere)."""
+        ...
+
     def shutdown(self) -> None:
         """Stop the other ranks and release the process group (nothing to do in one process)."""
         ...

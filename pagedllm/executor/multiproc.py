@@ -324,6 +324,9 @@ class MultiprocExecutor:
         dead = [(r, p.exitcode) for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
         return ", ".join(f"rank {r} died (exit code {c})" for r, c in dead)
 
+    def idle_work(self, seconds: float) -> bool:
+        return False  # the ranks' caches stay lazy (a rank runs steps only when told)
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 

@@ -279,6 +279,9 @@ class RayExecutor:
         output, self._num_forward_tokens = result
         return output
 
+    def idle_work(self, seconds: float) -> bool:
+        return False  # the ranks' caches stay lazy (a rank runs steps only when told)
+
     def shutdown(self) -> None:
         ray = self._ray
         self._closing = True

@@ -133,6 +133,9 @@ class SimulatedDeviceExecutor:
     def weight_bytes_per_rank(self) -> list[int]:
         return self.inner.weight_bytes_per_rank if self.inner is not None else [0]
 
+    def idle_work(self, seconds: float) -> bool:
+        return False  # a simulated device has no cache to prefault
+
     def shutdown(self) -> None:
         self._queue.put(None)
         self._thread.join(5)

@@ -51,6 +51,11 @@ class UniprocExecutor:
             raise RuntimeError("execute() while submitted steps are in flight: collect() them first")
         return self.worker.execute(scheduler_output)
 
+    def idle_work(self, seconds: float) -> bool:
+        if self._in_flight:
+            return False
+        return self.worker.idle_work(seconds)
+
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         if self._device is None:
             self._device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-step")

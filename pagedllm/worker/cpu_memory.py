@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import time
 
 import torch
 
@@ -51,6 +52,68 @@ def cpu_kv_cache_memory(nbytes: int, prefault: bool = False) -> torch.Tensor:
         except (OSError, ValueError):  # an older kernel: write one byte of every page
             cache[::mmap.PAGESIZE] = 0
     return cache
+
+
+class IdlePrefault:
+    """Faults a lazily mapped KV cache's pages in while the engine has nothing to do, lowest
+    blocks first (the block pool hands blocks out from the low ids up), so a cache that starts
+    lazily (no start-up wait) still spares the requests the first-write cost: a fresh huge page
+    cost ~6 ms on the development VM, and the 64-request llama-tiny run at 8 req/s had a TTFT
+    p99 of 88-117 ms lazily and 27-33 ms prefaulted (docs/benchmarks.md, session 19).
+
+    ``regions``: (address, bytes per block, number of regions) of the mapping's block-major
+    parts, e.g. the cache's [planes x layers] planes of ``num_blocks`` blocks each, of which
+    blocks 0..``upto``-1 are populated (EngineConfig.cpu_kv_cache_idle_prefault bytes: the
+    memory it commits stays bounded; later blocks are faulted in on first write); the pages
+    are populated with MADV_POPULATE_WRITE through ctypes (the GIL is released meanwhile), in
+    slices of about ``slice_bytes`` per region, so one call of ``run`` overruns its budget by at
+    most one slice. Data already written stays (populating does not change a page's content).
+    Where the kernel lacks MADV_POPULATE_WRITE (before 5.14) it stops at the first slice."""
+
+    def __init__(self, regions: list[tuple[int, int, int]], num_blocks: int, upto: int,
+                 slice_bytes: int = 2 << 20) -> None:
+        self._madvise = None
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            self._madvise = libc.madvise
+            self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            self._madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            pass
+        per_block = max(b for _, b, _ in regions) if regions else 1
+        step = max(1, slice_bytes // per_block)
+        page = mmap.PAGESIZE
+        self._work: list[tuple[int, int]] = []  # (page-aligned address, length), in the order to populate
+        for b0 in range(0, min(upto, num_blocks), step):
+            b1 = min(upto, num_blocks, b0 + step)
+            for base, block_bytes, count in regions:
+                for k in range(count):
+                    start = base + (k * num_blocks + b0) * block_bytes
+                    end = base + (k * num_blocks + b1) * block_bytes
+                    start -= start % page
+                    self._work.append((start, end - start))
+        self._next = 0
+        self.populated_bytes = 0
+
+    @property
+    def done(self) -> bool:
+        return self._madvise is None or self._next >= len(self._work)
+
+    def run(self, seconds: float) -> bool:
+        """Populate slices for about ``seconds``; whether any remain."""
+        deadline = time.perf_counter() + seconds
+        while not self.done:
+            addr, length = self._work[self._next]
+            if self._madvise(addr, length, _MADV_POPULATE_WRITE) != 0:
+                logger.info("KV cache idle prefault stopped: madvise(MADV_POPULATE_WRITE) failed (errno %d)",
+                            ctypes.get_errno())
+                self._madvise = None
+                break
+            self._next += 1
+            self.populated_bytes += length
+            if time.perf_counter() >= deadline:
+                break
+        return not self.done
 
 
 def keep_freed_activations(enabled: bool = True) -> bool:

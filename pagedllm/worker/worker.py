@@ -18,7 +18,7 @@ from pagedllm.quantization.registry import resolve_quantization
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.models.pipeline import check_pipeline_support
-from pagedllm.worker.cpu_memory import cpu_kv_cache_memory
+from pagedllm.worker.cpu_memory import IdlePrefault, cpu_kv_cache_memory
 from pagedllm.worker.cpu_threads import CpuThreadDecision, thread_governor
 from pagedllm.worker.memory_plan import cpu_kv_budget, estimate_activation_bytes, gib, read_host_memory
 from pagedllm.worker.model_runner import ModelRunner
@@ -110,6 +110,18 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         return self.block_size * self.bytes_per_token
+
+    def idle_prefault(self, cache: torch.Tensor, scales: Optional[torch.Tensor], num_blocks: int,
+                      upto: int) -> IdlePrefault:
+        """What faults ``allocate``'s CPU mapping in while the engine idles: blocks 0..upto-1 of
+        each [planes x layers] run of ``num_blocks`` blocks of the cache (and of the scales),
+        lowest blocks first."""
+        per_token = self.num_kv_heads * self.head_dim * cache.element_size()
+        regions = [(cache.data_ptr(), self.block_size * per_token, self.planes * self.num_layers)]
+        if scales is not None:
+            regions.append((scales.data_ptr(), self.block_size * self.num_kv_heads * scales.element_size(),
+                            self.planes * self.num_layers))
+        return IdlePrefault(regions, num_blocks, upto)
 
 
 class Worker:
@@ -276,6 +288,11 @@ class Worker:
         self.max_model_len = fitted
         self.num_blocks = num_blocks
         self.kv_cache, self.kv_scales = spec.allocate(num_blocks, self.device, self.config.cpu_kv_cache_prefault)
+        self.kv_idle_prefault = None
+        idle_bytes = self.config.cpu_kv_cache_idle_prefault
+        if self.device.type == "cpu" and not self.config.cpu_kv_cache_prefault and idle_bytes:
+            blocks = min(num_blocks, max(1, idle_bytes // spec.bytes_per_block))
+            self.kv_idle_prefault = spec.idle_prefault(self.kv_cache, self.kv_scales, num_blocks, blocks)
         for i, layer in enumerate(self.model.attention_layers()):
             if self.kv_scales is None:
                 layer.bind(self.backend, self.kv_cache[:, i])
@@ -366,6 +383,11 @@ class Worker:
         if self.drafter is not None:
             self.drafter.allocate(num_blocks, self.backend)
         return lambda generator: SpecDecoder(self.config.speculative_config, generator, self.drafter)
+
+    def idle_work(self, seconds: float) -> bool:
+        """What the worker does while the engine has nothing to run, for about ``seconds``
+        (the CPU KV cache's idle prefault); whether any is left."""
+        return self.kv_idle_prefault is not None and self.kv_idle_prefault.run(seconds)
 
     def execute(self, scheduler_output):
         """One step (pipeline parallelism: this stage's part of it; the last stage's sampling

@@ -12,7 +12,7 @@ from pagedllm.executor.ray_executor import RayExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 
 MEMBERS = {"num_blocks", "max_model_len", "sliding_window", "num_forward_tokens", "weight_bytes_per_rank", "is_dead", "execute", "shutdown",
-           "kv_tier_spec", "dead_reason", "max_concurrent_batches"}
+           "kv_tier_spec", "dead_reason", "max_concurrent_batches", "idle_work"}
 
 
 def protocol_members():

@@ -73,3 +73,54 @@ def test_prefaulted_kv_cache_serves_the_same_tokens(llama_ckpt):
                                                                   use_tqdm=False)])
         llm.engine.shutdown()
     assert outs[0] == outs[1]
+
+
+def _resident_fraction(t) -> float:
+    """Pages of ``t``'s memory that are resident (mincore), as a fraction."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    page = mmap.PAGESIZE
+    start = t.data_ptr() - t.data_ptr() % page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (length + page - 1) // page
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec) / pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise, mincore")
+def test_idle_prefault_populates_the_lowest_blocks_and_keeps_their_data():
+    import torch
+
+    from pagedllm.worker.worker import KVCacheSpec
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    num_blocks = 4096  # 4 KiB per block per (plane, layer): 16 MiB per run, 64 MiB in all
+    cache, scales = spec.allocate(num_blocks, torch.device("cpu"))
+    cache[1, 1, 7] = 3.0  # a block the engine wrote before the prefault reached it
+    pre = spec.idle_prefault(cache, scales, num_blocks, upto=num_blocks // 2)
+    if pre.done:
+        pytest.skip("this C library has no madvise")
+    assert _resident_fraction(cache[0, 0, : num_blocks // 2]) < 0.5
+    steps = 0
+    while pre.run(0.0):  # a zero budget still does one slice per call
+        steps += 1
+        assert steps < 10_000
+    if pre.populated_bytes == 0:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert steps > 1  # slice by slice, the engine's requests can come in between
+    for p in range(2):
+        for layer in range(2):
+            assert _resident_fraction(cache[p, layer, : num_blocks // 2]) > 0.99
+    assert _resident_fraction(cache[0, 0, num_blocks // 2 + 512 :]) < 0.5  # the cap holds (bar a huge page's rounding)
+    assert bool((cache[1, 1, 7] == 3.0).all()) and int(cache[0].count_nonzero()) == 0
+
+
+def test_idle_prefault_size_is_checked(llama_ckpt):
+    from pagedllm.config import EngineConfig
+
+    assert EngineConfig(model=llama_ckpt, cpu_kv_cache_idle_prefault="512MiB").cpu_kv_cache_idle_prefault == 512 << 20
+    with pytest.raises(ValueError, match="cpu_kv_cache_idle_prefault"):
+        EngineConfig(model=llama_ckpt, cpu_kv_cache_idle_prefault=-1)
