@@ -17,8 +17,10 @@ matcher where it is (its tokens are kept); a rewound step never reached the matc
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Iterable, Optional, Protocol
+
+import msgspec
 
 from pagedllm.core.contracts import EngineCoreOutput, GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.request import Request, RequestStatus, finish_reason_of
@@ -114,7 +116,7 @@ class GrammarUnit(RequestUnit):
             return out
         status = RequestStatus.FINISHED_ERROR if adv.rejected else RequestStatus.FINISHED_STOPPED
         sched.finish(req, status)
-        return replace(out, finish_reason=finish_reason_of(status))
+        return msgspec.structs.replace(out, finish_reason=finish_reason_of(status))
 
     def finish(self, sched, status: RequestStatus) -> Optional[EngineCoreOutput]:
         sched.finish(self.request, status)
