@@ -52,9 +52,7 @@ class UniprocExecutor:
         return self.worker.execute(scheduler_output)
 
     def idle_work(self, seconds: float) -> bool:
-        if self._in_flight:
-            return False
-        return self.worker.idle_work(seconds)
+        return self.worker.idle_work(seconds)  # EngineCore calls it only with nothing in flight
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         if self._device is None:

@@ -25,6 +25,11 @@ _HEAP_TRIM_THRESHOLD = 1 << 30
 _tuned = False
 
 
+def _libc() -> ctypes.CDLL:
+    """The C library (OSError where there is none to load), errno kept for its callers."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module names it only from 3.13 on
 
 
@@ -74,8 +79,7 @@ class IdlePrefault:
                  slice_bytes: int = 2 << 20) -> None:
         self._madvise = None
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            self._madvise = libc.madvise
+            self._madvise = _libc().madvise
             self._madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
             self._madvise.restype = ctypes.c_int
         except (OSError, AttributeError):
@@ -137,8 +141,7 @@ def keep_freed_activations(enabled: bool = True) -> bool:
     if not enabled:
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):  # not glibc
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
