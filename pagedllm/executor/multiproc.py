@@ -39,6 +39,7 @@ from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutp
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN = "__shutdown__"
+_IDLE = "__idle__"  # (_IDLE, seconds): every rank does its idle work, then all agree whether any is left
 
 
 def stage_partition(config, hf_config) -> list[int]:
@@ -93,11 +94,23 @@ def run_worker_rank(config, hf_config, max_model_len, max_num_batched_tokens, ra
         dist.broadcast_object_list(msg, src=0, group=group.world_cpu_group)
         if msg[0] == _SHUTDOWN:
             break
+        if isinstance(msg[0], tuple) and msg[0][0] == _IDLE:
+            _idle_work_everywhere(worker, group, msg[0][1])
+            continue
         out = worker.execute(msg[0])
         if pp.world_size > 1 and rank == pp.sampler_rank:
             pp.send_object(out, dst=0)
     pp.wait_sends()
     dist.destroy_process_group()
+
+
+def _idle_work_everywhere(worker, group, seconds: float) -> bool:
+    """This rank's idle work (its CPU KV cache's prefault), then whether any rank has some left."""
+    import torch.distributed as dist
+
+    left = torch.tensor([int(worker.idle_work(seconds))], dtype=torch.long)
+    dist.all_reduce(left, op=dist.ReduceOp.MAX, group=group.world_cpu_group)
+    return bool(left.item())
 
 
 def _spawned_main(rank, world_size, port, args) -> None:
@@ -325,7 +338,20 @@ class MultiprocExecutor:
         return ", ".join(f"rank {r} died (exit code {c})" for r, c in dead)
 
     def idle_work(self, seconds: float) -> bool:
-        return False  # the ranks' caches stay lazy (a rank runs steps only when told)
+        """Every rank's idle work for about ``seconds`` (told as a step is: by a broadcast); whether
+        any rank has some left. Nothing while a step is in flight, after a failure, or with a rank
+        gone (the next step reports that)."""
+        import torch.distributed as dist
+
+        if self._dead or self._in_flight or not all(p.is_alive() for p in self.procs):
+            return False
+        try:
+            dist.broadcast_object_list([(_IDLE, seconds)], src=0, group=self.group.world_cpu_group)
+            return _idle_work_everywhere(self.worker, self.group, seconds)
+        except Exception as e:
+            self._dead = True
+            raise RuntimeError(f"idle work on the workers failed (workers alive: {[p.is_alive() for p in self.procs]}): "
+                               f"{e}") from e
 
     def shutdown(self) -> None:
         import torch.distributed as dist

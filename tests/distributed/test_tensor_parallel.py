@@ -52,6 +52,22 @@ def greedy(path, tp, prompts=PROMPTS, sp=SP, **kw):
     return [o.outputs[0].token_ids for o in outs], preempted, weights
 
 
+def test_tp2_idle_work_prefaults_every_rank_and_tokens_do_not_change(make_ckpt):
+    """A server's idle core drives every rank's CPU KV cache prefault through the executor (a
+    broadcast like a step's); it ends once all ranks are done, and the tokens stay those of TP=1."""
+    path = make_ckpt("tp_llama", "llama", heads=4, kv_heads=2)
+    llm = ENGINES.get(model=path, tensor_parallel_size=2, kv_cache_memory=16 << 20)
+    executor = llm.engine.core.executor
+    t0 = time.monotonic()
+    while executor.idle_work(0.01):  # False only when no rank has any left
+        assert time.monotonic() - t0 < 60, "the ranks' idle prefault did not finish"
+    assert executor.worker.kv_idle_prefault.done
+    assert not executor.idle_work(0.01)
+    two, _, _ = greedy(path, 2)
+    one, _, _ = greedy(path, 1)
+    assert two == one
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tp2_matches_tp1(make_ckpt, arch):
     path = make_ckpt(f"tp_{arch}", arch, heads=4, kv_heads=2)
