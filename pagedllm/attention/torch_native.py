@@ -106,8 +106,15 @@ class _StepPlan:
         seq_lens = md.seq_lens_cpu
         qlens = np.diff(qsl)
         device = md.block_table.device
-        decode_idx = np.nonzero(qlens == 1)[0]
         self.kernel_decode: Optional[_KernelDecodePlan] = None
+        self.decodes: list[_DecodePlan] = []
+        self.prefills: list[_PrefillPlan] = []
+        self.kernel_prefill: Optional[_KernelPrefillPlan] = None
+        if use_kernel and md.max_query_len == 1 and md.num_actual_tokens == len(seq_lens):  # decodes only: the
+            # usual step; the step's own block table and lengths, every row in place
+            self.kernel_decode = _KernelDecodePlan(slice(0, len(seq_lens)), md.block_table, md.seq_lens)
+            return
+        decode_idx = np.nonzero(qlens == 1)[0]
         if use_kernel and len(decode_idx):
             idx_t = torch.from_numpy(decode_idx).to(device)
             rows = qsl[decode_idx]
@@ -120,14 +127,11 @@ class _StepPlan:
             decode_idx = decode_idx[:0]
         # Decodes sorted by context length and cut into a few buckets: each bucket pads only to
         # its own longest context (less gathering and masked work than one padded batch).
-        self.decodes: list[_DecodePlan] = []
         if len(decode_idx):
             order = decode_idx[np.argsort(seq_lens[decode_idx], kind="stable")]
             num_buckets = min(_MAX_DECODE_BUCKETS, -(-len(order) // _MIN_DECODE_BUCKET))
             for bucket in np.array_split(order, num_buckets):
                 self.decodes.append(self._decode_plan(md, bucket, block_size, sliding_window, device, alibi, group))
-        self.prefills: list[_PrefillPlan] = []
-        self.kernel_prefill: Optional[_KernelPrefillPlan] = None
         prefill_idx = np.nonzero(qlens > 1)[0]
         if use_kernel and len(prefill_idx):
             idx_t = torch.from_numpy(prefill_idx).to(device)

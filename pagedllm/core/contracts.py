@@ -176,6 +176,7 @@ class ModelRunnerOutput:
 
 
 class EngineCoreOutput(msgspec.Struct, frozen=True, gc=False):
+    # (RequestUnit.on_output builds these positionally: keep the fields in this order)
     req_id: str
     new_token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"

@@ -18,6 +18,7 @@ from pagedllm.core.request import Request
 class LookAheadPolicy(Protocol):
     governor: Optional[object]  # speculative decoding's SpecGovernor (None: always speculate)
     counts: list[int]  # rows verified with drafts, drafts, accepted drafts
+    drafts: bool  # False: slots() is always 0 and nothing is ever dropped (callers may skip both)
 
     def start_step(self, num_running: int) -> None: ...
 
@@ -38,6 +39,7 @@ class LookAheadPolicy(Protocol):
 
 class NoLookAhead:
     governor = None
+    drafts = False
 
     def __init__(self) -> None:
         self.counts = [0, 0, 0]
@@ -72,6 +74,8 @@ class SpecLookAhead:
     or None) says per step whether decoding requests get draft slots at all; a plain step reserves
     nothing. Seeded requests speculate regardless: how many uniforms their stream gives up per step
     must not depend on the governor's timing."""
+
+    drafts = True
 
     def __init__(self, num_spec_tokens: int, disable_batch_size: int, max_model_len: int, kv: KVCacheManager,
                  governor=None) -> None:

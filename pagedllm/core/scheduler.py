@@ -393,8 +393,10 @@ class Scheduler:
             new_ids = req.all_token_ids[held:] if self.limits.send_new_token_ids else ()
             if new_ids:
                 self._sent_to_workers[rid] = req.num_tokens
+            look_ahead = self.look_ahead
             plan.cached_reqs.append(CachedRequestData(rid, new_block_ids or [], req.num_computed_tokens,
-                                                      self.look_ahead.take_dropped_blocks(rid), new_ids))
+                                                      look_ahead.take_dropped_blocks(rid) if look_ahead.drafts else 0,
+                                                      new_ids))
         else:
             plan.new_reqs.append(self.new_request_data(req))
 
@@ -404,9 +406,7 @@ class Scheduler:
         self._failed.append(output)
 
     def check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
-        return self._check_stop(req, token)
-
-    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        """Whether ``token``, just appended to ``req``, ends it: once per row per step."""
         sp = req.sampling_params
         num_output = len(req.output_token_ids)  # (once per row per step: no property calls)
         if token in sp.all_stop_token_ids and num_output >= sp.min_tokens:

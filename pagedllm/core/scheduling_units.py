@@ -99,22 +99,28 @@ class RequestUnit:
         return self.request.lora
 
     def schedule_running(self, sched, plan: StepPlan) -> bool:
+        # Once per running request per step: the decode row (one token, the budget left is at
+        # least 1) skips the calls that cannot change it.
         req = self.request
         pending = req.num_pending  # async scheduling: tokens of steps in flight, scheduled past as placeholders
-        num_new = sched.cap(len(req.all_token_ids) + pending - req.num_computed_tokens, plan.budget)
-        if num_new <= 0 or not sched.fits_step(self):
+        num_new = len(req.all_token_ids) + pending - req.num_computed_tokens
+        if num_new != 1:
+            num_new = sched.cap(num_new, plan.budget)
+        if num_new <= 0 or (sched.constraints and not sched.fits_step(self)):
             return True
         if pending and (req.num_output_tokens + pending >= req.max_tokens
                         or req.num_tokens + pending >= sched.limits.max_model_len):
             return True  # the token in flight is its last: nothing after it to compute
-        spec = sched.look_ahead.slots(req, num_new, plan.budget, len(sched.running))
+        look_ahead = sched.look_ahead
+        spec = look_ahead.slots(req, num_new, plan.budget, len(sched.running)) if look_ahead.drafts else 0
         num_new += spec
         new_block_ids = sched.kv.allocate_slots(req, num_new)
         if new_block_ids is None:
             new_block_ids = sched.make_room(self, lambda: sched.kv.allocate_slots(req, num_new), plan)
             if new_block_ids is None:
                 return False
-        plan.take(req.request_id, num_new)
+        plan.num_scheduled[req.request_id] = num_new  # plan.take, inline
+        plan.budget -= num_new
         if spec:
             plan.spec_slots[req.request_id] = spec
         sched.send(req, plan, new_block_ids)
@@ -172,11 +178,11 @@ class RequestUnit:
                     break
         if status is not None:
             sched.finish(req, status)
-        outputs.append(EngineCoreOutput(rid, new_ids, finish_reason=finish_reason_of(status) if status is not None
-                                        else None, stop_reason=req.stop_reason,
-                                        logprobs=out.logprobs.get(rid) if out.logprobs else None,
-                                        prompt_logprobs=prompt_lp, num_cached_tokens=max(req.num_cached_tokens, 0),
-                                        num_preemptions=req.num_preemptions))
+        cached = req.num_cached_tokens
+        outputs.append(EngineCoreOutput(  # positional: once per row per step, cheaper than keywords
+            rid, new_ids, finish_reason_of(status) if status is not None else None, req.stop_reason,
+            out.logprobs.get(rid) if out.logprobs else None, prompt_lp, cached if cached > 0 else 0, None,
+            req.num_preemptions))
 
     def finish(self, sched, status: RequestStatus) -> Optional[EngineCoreOutput]:
         sched.finish(self.request, status)

@@ -88,15 +88,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     """``F.linear`` that also accepts a weight packed by :func:`pack_panels` or :func:`pack_weight`."""
     n = getattr(weight, "panel_out_features", None)
     if n is not None:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        flat = x.dim() == 2  # [tokens, features], the models' usual shape: no reshapes
+        x2 = x if flat else x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.float32 and x2.dtype != torch.bfloat16:
             x2 = x2.float()
         b = bias if bias is None or bias.dtype == torch.float32 else bias.float()
         y = weight.panel_kernels.packed_linear(x2.contiguous(), weight, n, b)  # float32 or bf16, as x2
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
-        return y.reshape(*lead, n)
+        return y if flat else y.reshape(*x.shape[:-1], n)
     if not weight.is_mkldnn:
         return F.linear(x, weight, bias)
     out_dtype = x.dtype

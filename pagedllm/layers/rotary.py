@@ -100,10 +100,20 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+        self._tables_by_dtype: dict = {}  # dtype -> (cos, sin) tables in it, made on first use
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Looked up once per forward and shared by every layer: ([T, 1, D], [T, 1, D])."""
-        return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(dtype)
+        """Looked up once per forward and shared by every layer: ([T, 1, D], [T, 1, D]); two
+        row gathers from tables kept in ``dtype`` (the same values as gathering the float32
+        tables and rounding the rows)."""
+        cos, sin = self._tables(dtype)
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+
+    def _tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._tables_by_dtype.get(dtype)
+        if tables is None or tables[0].device != self.cos_cache.device:  # made once (again after a move)
+            tables = self._tables_by_dtype[dtype] = (self.cos_cache.to(dtype), self.sin_cache.to(dtype))
+        return tables
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ def test_one_request_raising_in_the_update_fails_only_it(monkeypatch):
     kv, s = _scheduler()
     for name in ("a", "bad", "c"):
         s.add_request(Request(name, [9, 8, 7, 6, 5], SamplingParams(max_tokens=6, ignore_eos=True), max_tokens=6))
-    check = Scheduler._check_stop
+    check = Scheduler.check_stop
     calls = {"n": 0}
 
     def flaky(self, req, tok):
@@ -92,7 +92,7 @@ def test_one_request_raising_in_the_update_fails_only_it(monkeypatch):
                 raise RuntimeError("injected failure")
         return check(self, req, tok)
 
-    monkeypatch.setattr(Scheduler, "_check_stop", flaky)
+    monkeypatch.setattr(Scheduler, "check_stop", flaky)
     finals = _drive(s, FakeRunner(64, 4))
     assert finals["bad"].finish_reason == "error"
     assert finals["a"].finish_reason == finals["c"].finish_reason == "length"

@@ -49,8 +49,8 @@ def _raise_on_nth(original, is_bad, nth: int):
 def inject(monkeypatch, where: str) -> None:
     """Make request "bad" raise once, at ``where``, after it has produced a few tokens."""
     if where == "scheduler_update":
-        monkeypatch.setattr(Scheduler, "_check_stop",
-                            _raise_on_nth(Scheduler._check_stop, lambda self, req, tok: req.request_id.startswith("bad"), 3))
+        monkeypatch.setattr(Scheduler, "check_stop",
+                            _raise_on_nth(Scheduler.check_stop, lambda self, req, tok: req.request_id.startswith("bad"), 3))
     elif where == "output_processor":
         monkeypatch.setattr(OutputProcessor, "process",
                             _raise_on_nth(OutputProcessor.process, lambda self, out, now=None: out.req_id.startswith("bad"), 3))
