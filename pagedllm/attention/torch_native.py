@@ -104,8 +104,6 @@ class _StepPlan:
                  use_kernel: bool, quantized: bool = False, alibi: Optional[torch.Tensor] = None) -> None:
         qsl = md.query_start_loc_cpu
         seq_lens = md.seq_lens_cpu
-        qlens = np.diff(qsl)
-        device = md.block_table.device
         self.kernel_decode: Optional[_KernelDecodePlan] = None
         self.decodes: list[_DecodePlan] = []
         self.prefills: list[_PrefillPlan] = []
@@ -114,6 +112,8 @@ class _StepPlan:
             # usual step; the step's own block table and lengths, every row in place
             self.kernel_decode = _KernelDecodePlan(slice(0, len(seq_lens)), md.block_table, md.seq_lens)
             return
+        qlens = np.diff(qsl)
+        device = md.block_table.device
         decode_idx = np.nonzero(qlens == 1)[0]
         if use_kernel and len(decode_idx):
             idx_t = torch.from_numpy(decode_idx).to(device)

@@ -119,8 +119,7 @@ class RequestUnit:
             new_block_ids = sched.make_room(self, lambda: sched.kv.allocate_slots(req, num_new), plan)
             if new_block_ids is None:
                 return False
-        plan.num_scheduled[req.request_id] = num_new  # plan.take, inline
-        plan.budget -= num_new
+        plan.take(req.request_id, num_new)
         if spec:
             plan.spec_slots[req.request_id] = spec
         sched.send(req, plan, new_block_ids)
