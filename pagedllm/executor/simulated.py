@@ -3,7 +3,7 @@
 ``submit(scheduler_output)`` spends ``host_seconds`` on the calling thread (what preparing a
 step's inputs and launching its kernels costs the host) and queues the step on a "device"
 thread; it returns without waiting. The device thread runs queued steps one after another, in
-order (as a GPU stream does), each taking at least ``device_seconds``; ``collect()`` returns the
+order (as a GPU stream does), each taking at least ``device_seconds`` of the device's own clock; ``collect()`` returns the
 oldest step's ModelRunnerOutput once it is done. ``execute`` is submit + collect (no overlap).
 
 What a step computes: with ``inner`` (a real executor, e.g. UniprocExecutor) its forward and
@@ -93,21 +93,29 @@ class SimulatedDeviceExecutor:
 
     # ---- the device thread ------------------------------------------------------------------
     def _device(self) -> None:
+        """Runs steps on the device's own clock: a step starts when it was submitted or when the
+        previous one finished (``free_at``), whichever is later, not when this thread next gets
+        to run (a GPU stream runs queued kernels back to back, whenever the host notices), so a
+        late wake-up from the sleep or a wait for the GIL delays the host's collect, never the
+        device."""
+        free_at = 0.0
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            so, fut = item
-            t0 = time.perf_counter()
+            so, fut, submitted = item
+            start = max(submitted, free_at)
             try:
                 out = self.model.execute(so)
             except BaseException as e:
+                free_at = time.perf_counter()
                 fut.set_exception(e)
                 continue
-            left = self.device_seconds - (time.perf_counter() - t0)
+            free_at = max(start + self.device_seconds, time.perf_counter())
+            left = free_at - time.perf_counter()
             if left > 0:
                 time.sleep(left)
-            self.device_busy += time.perf_counter() - t0
+            self.device_busy += free_at - start
             fut.set_result(out)
 
     # ---- the executor -----------------------------------------------------------------------
@@ -116,7 +124,7 @@ class SimulatedDeviceExecutor:
             time.sleep(self.host_seconds)  # preparing inputs, launching kernels
         fut: Future = Future()
         self._futures.append(fut)
-        self._queue.put((scheduler_output, fut))
+        self._queue.put((scheduler_output, fut, time.perf_counter()))
 
     def collect(self) -> ModelRunnerOutput:
         return self._futures.pop(0).result()

@@ -167,3 +167,32 @@ def test_output_processing_overlaps_the_core_step(llama_ckpt):
     assert took[False] >= 0.95 * serial  # in one process the two add up
     assert took[True] < 0.8 * serial, took  # about steps * max(d, h) with the core in its own process
     assert took["async"] < 0.8 * serial, took  # and in one process when the next step is scheduled ahead
+
+
+def test_simulated_device_runs_queued_steps_back_to_back_on_its_own_clock():
+    """Steps submitted together run back to back on the device's clock, as kernels queued on a
+    GPU stream do: each starts when the previous one finished there, not when the device thread
+    woke from its sleep, so the device is busy exactly N x D however late the thread wakes; and
+    a step submitted while the device is idle starts at its submission (the idle gap is not
+    charged to the device)."""
+    from pagedllm.core.contracts import SchedulerOutput
+    from pagedllm.executor.simulated import SimulatedDeviceExecutor
+
+    d = 0.1
+    ex = SimulatedDeviceExecutor(num_blocks=8, max_model_len=64, device_seconds=d)
+    try:
+        empty = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=[], num_scheduled_tokens={},
+                                total_num_scheduled_tokens=0, finished_req_ids=frozenset(),
+                                preempted_req_ids=frozenset())
+        t0 = time.perf_counter()
+        for _ in range(3):
+            ex.submit(empty)
+        for _ in range(3):
+            ex.collect()
+        assert time.perf_counter() - t0 >= 3 * d
+        assert ex.device_busy == pytest.approx(3 * d, rel=1e-6)
+        time.sleep(d / 2)  # idle: not the device's time
+        ex.execute(empty)
+        assert ex.device_busy == pytest.approx(4 * d, rel=1e-6)
+    finally:
+        ex.shutdown()
