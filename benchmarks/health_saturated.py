@@ -41,6 +41,12 @@ async def load(base: str, num: int, concurrency: int, max_tokens: int) -> tuple[
 
     sem = asyncio.Semaphore(concurrency)
     tokens = errors = 0
+    kinds: dict[str, int] = {}  # what the errors were: "HTTP <status>: <body>" or the client's exception
+
+    def failed(what: str) -> None:
+        nonlocal errors
+        errors += 1
+        kinds[what[:200]] = kinds.get(what[:200], 0) + 1
     body = {"model": "tiny-shakespeare", "prompt": "To be, or not to be", "max_tokens": max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True}
 
@@ -50,18 +56,18 @@ async def load(base: str, num: int, concurrency: int, max_tokens: int) -> tuple[
             try:
                 async with client.stream("POST", base + "/v1/completions", json=dict(body, seed=i)) as r:
                     if r.status_code != 200:
-                        errors += 1
+                        failed(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')}")
                         return
                     async for line in r.aiter_lines():
                         if line.startswith("data: {"):
                             tokens += 1
-            except httpx.HTTPError:
-                errors += 1
+            except httpx.HTTPError as e:
+                failed(f"{type(e).__name__}: {e}")
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         await asyncio.gather(*(one(client, i) for i in range(num)))
-    return tokens, errors
+    return tokens, errors, kinds
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -92,7 +98,7 @@ def main() -> None:
         if args.client_nice:
             os.nice(args.client_nice)
         t0 = time.monotonic()
-        tokens, errors = asyncio.run(load(base, args.num_requests, args.concurrency, args.max_tokens))
+        tokens, errors, error_kinds = asyncio.run(load(base, args.num_requests, args.concurrency, args.max_tokens))
         wall = time.monotonic() - t0
         stop.set()
         lat, sent_at = recv.recv()
@@ -107,8 +113,10 @@ def main() -> None:
     print(f"{args.num_requests} streams x {args.max_tokens} tokens, concurrency {args.concurrency}, "
           f"serve {' '.join(args.serve_args)}; load {load_before} -> {load_after}")
     print_table([row], list(row))
+    for what, n in error_kinds.items():
+        print(f"error x{n}: {what}")
     write_json(args.out, {"args": vars(args), "cmd": cmd, "load_before": load_before, "load_after": load_after,
-                          "result": row, "latencies_s": lat,
+                          "result": row, "error_kinds": error_kinds, "latencies_s": lat,
                           "probe_sent_at": sent_at})
 
 

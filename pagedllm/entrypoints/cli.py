@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from pagedllm import envs
 from pagedllm.config import EngineConfig, default_model_path, runs_on_cpu, serve_default_max_num_seqs
 from pagedllm.config import parse_size as config_parse_size
+from pagedllm.entrypoints.http_guard import HTTP_CHOICES, LOOP_CHOICES
 
 _HELP = {
     "tokenizer": "tokenizer directory (default: the model's)",
@@ -270,6 +271,10 @@ def _add_vllm_serve_flags(srv: argparse.ArgumentParser) -> None:
                    help="the model names requests may use (all routable; the first is the one reported)")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's own log level")
+    g.add_argument("--uvicorn-loop", default="auto", choices=list(LOOP_CHOICES),
+                   help="the event loop: auto = uvloop when installed (the default install has it), else asyncio")
+    g.add_argument("--uvicorn-http", default="auto", choices=list(HTTP_CHOICES),
+                   help="the HTTP/1.1 parser: auto = httptools when installed (the default install has it), else h11")
     g.add_argument("--enable-log-requests", action="store_true", help="log one line per request (id, prompt "
                    "length, sampling parameters)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput/queue log line")
@@ -445,7 +450,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  tool_call_parser=args.tool_call_parser,
                                  enable_dashboard=args.enable_dashboard,
                                  served_model_names=tuple(served_names),
-                                 uvicorn_log_level=args.uvicorn_log_level, enable_log_requests=args.enable_log_requests,
+                                 uvicorn_log_level=args.uvicorn_log_level, uvicorn_loop=args.uvicorn_loop,
+                                 uvicorn_http=args.uvicorn_http, enable_log_requests=args.enable_log_requests,
                                  disable_log_stats=args.disable_log_stats, max_logprobs=args.max_logprobs,
                                  allowed_origins=tuple(args.allowed_origins or ()),
                                  allowed_methods=tuple(args.allowed_methods or ("*",)),

@@ -128,14 +128,19 @@ async def guard_body(scope, receive, send, state, error: ErrorFactory, json_path
     return receive_replayed
 
 
-def h11_protocol(header_timeout: float):
-    """uvicorn's h11 protocol, closing a connection that does not deliver a request's headers
-    within ``header_timeout`` seconds of connecting or of sending its first bytes after the
-    previous response (idle keep-alive connections are uvicorn's timeout_keep_alive), and
-    answering requests it cannot parse with our JSON error shape."""
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+def _invalid_http_body(msg: str) -> bytes:
+    return json.dumps({"error": {"message": f"invalid HTTP request: {msg.rstrip('.')}",
+                                 "type": "invalid_request_error", "param": None, "code": "invalid_http"}}).encode()
 
-    class _H11Protocol(H11Protocol):
+
+def _guarded(base):
+    """``base`` (one of uvicorn's HTTP/1.1 protocols) closing a connection that does not deliver a
+    request's headers within ``header_timeout`` seconds of connecting or of sending its first
+    bytes after the previous response (idle keep-alive connections are uvicorn's
+    timeout_keep_alive). The subclass adds its parser's JSON answer to unparseable requests."""
+
+    class _HeaderTimeout(base):
+        header_timeout = 30.0
         _header_timer = None
 
         def connection_made(self, transport) -> None:
@@ -147,7 +152,7 @@ def h11_protocol(header_timeout: float):
 
         def _arm(self) -> None:
             if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout, self._expired)
+                self._header_timer = self.loop.call_later(self.header_timeout, self._expired)
 
         def _expired(self) -> None:
             self._header_timer = None
@@ -162,14 +167,26 @@ def h11_protocol(header_timeout: float):
                 self._header_timer.cancel()
                 self._header_timer = None
 
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+    return _HeaderTimeout
+
+
+def h11_protocol(header_timeout: float):
+    """uvicorn's h11 protocol (pure Python) with the header timeout (``_guarded``), answering
+    requests it cannot parse with our JSON error shape."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class _H11Protocol(_guarded(H11Protocol)):
         def send_400_response(self, msg: str) -> None:
             """uvicorn's answer to a request it cannot parse (bad request line, headers, framing),
             in our JSON error shape instead of plain text."""
-            import h11
-
-            data = json.dumps({"error": {"message": f"invalid HTTP request: {msg.rstrip('.')}",
-                                         "type": "invalid_request_error", "param": None,
-                                         "code": "invalid_http"}}).encode()
+            data = _invalid_http_body(msg)
             headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
                        (b"content-length", str(len(data)).encode())]
             try:
@@ -180,13 +197,60 @@ def h11_protocol(header_timeout: float):
                 pass
             self.transport.close()
 
-        def connection_lost(self, exc) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            super().connection_lost(exc)
-
+    _H11Protocol.header_timeout = header_timeout
     return _H11Protocol
+
+
+def httptools_protocol(header_timeout: float):
+    """uvicorn's httptools protocol (llhttp, a C parser: several times less of the event loop's
+    time per request than h11) with the header timeout, answering requests it cannot parse with
+    our JSON error shape."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class _HttpToolsProtocol(_guarded(HttpToolsProtocol)):
+        def send_400_response(self, msg: str) -> None:
+            data = _invalid_http_body(msg)
+            self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                                 b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+            self.transport.close()
+
+    _HttpToolsProtocol.header_timeout = header_timeout
+    return _HttpToolsProtocol
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+HTTP_CHOICES = ("auto", "httptools", "h11")
+LOOP_CHOICES = ("auto", "uvloop", "asyncio")
+
+
+def http_protocol(kind: str, header_timeout: float):
+    """The HTTP/1.1 protocol class uvicorn serves with: ``auto`` is httptools when installed
+    (the default install has it), else h11; naming one that is not installed is a ValueError."""
+    if kind not in HTTP_CHOICES:
+        raise ValueError(f"uvicorn_http must be one of {', '.join(HTTP_CHOICES)}, got {kind!r}")
+    if kind == "httptools" or (kind == "auto" and _installed("httptools")):
+        if not _installed("httptools"):
+            raise ValueError("uvicorn_http httptools: the httptools package is not installed (pip install httptools)")
+        return httptools_protocol(header_timeout)
+    return h11_protocol(header_timeout)
+
+
+def event_loop(kind: str) -> str:
+    """uvicorn's ``loop`` setting: ``auto`` is uvloop when installed (libuv: the loop's own
+    scheduling, sockets and transports in C), else asyncio's; naming uvloop when it is not
+    installed is a ValueError."""
+    if kind not in LOOP_CHOICES:
+        raise ValueError(f"uvicorn_loop must be one of {', '.join(LOOP_CHOICES)}, got {kind!r}")
+    if kind == "uvloop" and not _installed("uvloop"):
+        raise ValueError("uvicorn_loop uvloop: the uvloop package is not installed (pip install uvloop)")
+    if kind == "auto":
+        return "uvloop" if _installed("uvloop") else "asyncio"
+    return kind
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -8,7 +8,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
+import httpx
 import pytest
 from conftest import LiveServer, free_port
 
@@ -64,12 +66,23 @@ def test_startup_errors_are_one_line(llama_ckpt, tmp_path):
     busy.close()
 
 
-def test_unparseable_request_gets_json_400(server):
+@pytest.mark.parametrize("http, loop", [("h11", "asyncio"), ("httptools", "uvloop")])
+def test_each_http_parser_answers_unparseable_requests_with_json_400_and_closes_silent_sockets(server, http, loop):
+    """Both parsers `--uvicorn-http` offers, each on its event loop: a request line neither can
+    parse gets our JSON 400; a connection that never sends its headers is closed after
+    http_read_timeout; an ordinary request is answered."""
+    import importlib.util
+
     from pagedllm.entrypoints.openai.api_server import ServerArgs, build_app
 
-    args = ServerArgs()
+    for module in (http, loop):
+        if module not in ("h11", "asyncio") and importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    args = ServerArgs(uvicorn_http=http, uvicorn_loop=loop, http_read_timeout=1.0)
     live = LiveServer(build_app(server.engine, served_model_name="tiny", args=args), args=args)
     try:
+        assert live.server.config.loop == loop
+        assert any(c.__module__.endswith(f"{http}_impl") for c in live.server.config.http.__mro__)
         with socket.create_connection(("127.0.0.1", live.port), timeout=10) as s:
             s.sendall(b"GARBAGE / HTTP/9\r\n\r\n")
             data = b""
@@ -80,5 +93,19 @@ def test_unparseable_request_gets_json_400(server):
         err = json.loads(body)["error"]
         assert err["code"] == "invalid_http" and err["type"] == "invalid_request_error"
         assert err["message"].startswith("invalid HTTP request")
+        with socket.create_connection(("127.0.0.1", live.port)) as s:  # never sends its headers
+            s.settimeout(10)
+            t0 = time.monotonic()
+            assert s.recv(100) == b""  # closed by the server
+            assert time.monotonic() - t0 < 5
+        assert httpx.get(live.url + "/health", timeout=30).status_code == 200
     finally:
         live.stop()
+
+
+@pytest.mark.parametrize("field, value", [("uvicorn_http", "http2"), ("uvicorn_loop", "trio")])
+def test_unknown_http_parser_or_event_loop_is_refused_by_name(field, value):
+    from pagedllm.entrypoints.openai.api_server import ServerArgs
+
+    with pytest.raises(ValueError, match=field):
+        ServerArgs(**{field: value})

@@ -11,7 +11,7 @@ by ``middleware.RequestGuard`` before the app parses anything: over ``max_reques
 413, a body that stalls longer than ``http_read_timeout`` -> 408, a Content-Type other than JSON
 on a JSON route -> 415. An unexpected exception is a 500 that keeps the connection
 (``middleware.InternalErrors``); input nested too deeply (RecursionError) is a 400. A connection that does not finish sending a
-request's headers within ``http_read_timeout`` is closed (``middleware.h11_protocol``).
+request's headers within ``http_read_timeout`` is closed (``http_guard.http_protocol``).
 
 SIGTERM: uvicorn stops accepting, new requests get 503 ``shutting_down``, in-flight ones may
 finish for ``shutdown_timeout`` seconds; then every open one is ended with an error (an error
@@ -48,7 +48,8 @@ from pagedllm.entrypoints.openai.body_parsing import OffLoopBodyRoute
 from pagedllm.entrypoints.openai.responses import ServingResponses
 from pagedllm.entrypoints.openai.responses_protocol import DeletedResponse, InputItemList, ResponsesRequest
 from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from pagedllm.entrypoints.openai.middleware import InternalErrors, RequestGuard, error_response, h11_protocol, json_response
+from pagedllm.entrypoints.http_guard import event_loop, http_protocol
+from pagedllm.entrypoints.openai.middleware import InternalErrors, RequestGuard, error_response, json_response
 from pagedllm.entrypoints.openai.pooling_routes import add_pooling_routes
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
 from pagedllm.version import __version__
@@ -547,6 +548,8 @@ class ServerArgs:
     # vLLM's serve flags (docs/usage.md, *vLLM's serve flags*)
     served_model_names: tuple[str, ...] = ()  # every name a request's model may use (the first is reported)
     uvicorn_log_level: Optional[str] = None  # uvicorn's own log level (default: log_level)
+    uvicorn_loop: str = "auto"  # the event loop: uvloop when installed (auto), uvloop, asyncio
+    uvicorn_http: str = "auto"  # the HTTP/1.1 parser: httptools when installed (auto), httptools, h11
     enable_log_requests: bool = False  # one log line per request (id, prompt length, sampling params)
     disable_log_stats: bool = False  # no periodic stats line
     max_logprobs: int = 20  # the most logprobs / top_logprobs / prompt_logprobs a request may ask for
@@ -594,6 +597,8 @@ class ServerArgs:
         if not self.response_role:
             raise ValueError("response_role must not be empty")
         generation_overrides(self.override_generation_config)  # malformed JSON fails at start-up
+        event_loop(self.uvicorn_loop)  # an unknown or missing one fails at start-up
+        http_protocol(self.uvicorn_http, self.http_read_timeout)
         if self.reasoning_parser is not None:
             from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
@@ -634,7 +639,8 @@ def uvicorn_config(app, args: ServerArgs, **kw):
     return uvicorn.Config(
         app, host=args.host, port=args.port, log_level=(args.uvicorn_log_level or args.log_level).lower(),
         access_log=args.access_log, timeout_graceful_shutdown=args.shutdown_timeout + 5, timeout_keep_alive=5,
-        http=h11_protocol(args.http_read_timeout), root_path=args.root_path or "", **tls, **kw,
+        loop=event_loop(args.uvicorn_loop), http=http_protocol(args.uvicorn_http, args.http_read_timeout),
+        root_path=args.root_path or "", **tls, **kw,
     )
 
 

@@ -1,6 +1,6 @@
 """ASGI and HTTP-protocol guards in front of the OpenAI app: the API key, request ids and bounded
-request bodies (``RequestGuard``), and uvicorn's h11 protocol with a header timeout and JSON
-errors for unparseable requests (``http_guard.h11_protocol``). ``api_server.build_app`` wires them."""
+request bodies (``RequestGuard``). uvicorn's HTTP protocol with a header timeout and JSON errors
+for unparseable requests is ``http_guard.http_protocol``. ``api_server.build_app`` wires them."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,7 @@ from typing import Optional
 
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.http_guard import guard_body, h11_protocol  # noqa: F401  (api_server wires it)
+from pagedllm.entrypoints.http_guard import guard_body
 from pagedllm.entrypoints.openai.serving import APIError, internal_error
 from pagedllm.entrypoints.request_id import request_id_var
 

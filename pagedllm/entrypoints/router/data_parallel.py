@@ -195,7 +195,7 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     is 1 when every replica exited on its own (e.g. a start-up error), else 0."""
     import uvicorn
 
-    from pagedllm.entrypoints.http_guard import h11_protocol, listen_socket
+    from pagedllm.entrypoints.http_guard import event_loop, http_protocol, listen_socket
     from pagedllm.entrypoints.router.app import build_router_app
     from pagedllm.entrypoints.router.server import router_args_from
 
@@ -225,7 +225,7 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     # the replicas end what is still open after shutdown_timeout; their last events need a moment more
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                     timeout_keep_alive=5, timeout_graceful_shutdown=args.shutdown_timeout + 10,
-                                    http=h11_protocol(rargs.http_read_timeout)))
+                                    loop=event_loop("auto"), http=http_protocol("auto", rargs.http_read_timeout)))
     failed = threading.Event()
 
     def watch() -> None:

@@ -73,13 +73,13 @@ def serve_router(rargs, stop_requested=lambda: False) -> int:
 
     from pagedllm.entrypoints.router.app import build_router_app
 
-    from pagedllm.entrypoints.http_guard import h11_protocol, listen_socket
+    from pagedllm.entrypoints.http_guard import event_loop, http_protocol, listen_socket
 
     sock = listen_socket(rargs.host, rargs.port)
     app = build_router_app(rargs)
     server = uvicorn.Server(uvicorn.Config(app, host=rargs.host, port=rargs.port, log_level=rargs.log_level,
                                            timeout_keep_alive=5, timeout_graceful_shutdown=30,
-                                           http=h11_protocol(rargs.http_read_timeout)))
+                                           loop=event_loop("auto"), http=http_protocol("auto", rargs.http_read_timeout)))
     if not stop_requested():
         server.run(sockets=[sock])
     return 0

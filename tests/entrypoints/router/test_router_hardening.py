@@ -52,7 +52,7 @@ def _until(cond, timeout=60.0):
 def routed(server):
     import uvicorn
 
-    from pagedllm.entrypoints.http_guard import h11_protocol
+    from pagedllm.entrypoints.http_guard import http_protocol
     from pagedllm.entrypoints.router.app import RouterArgs, build_router_app
 
     replicas = [Replica(server.engine), Replica(server.engine)]
@@ -62,7 +62,7 @@ def routed(server):
     app = build_router_app(args)
     port = free_port()
     router = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           timeout_keep_alive=5, http=h11_protocol(1.0)))
+                                           timeout_keep_alive=5, http=http_protocol("auto", 1.0)))
     thread = threading.Thread(target=router.run, daemon=True)
     thread.start()
     state = app.state.router
@@ -150,7 +150,7 @@ def test_client_gone_before_the_answer_aborts_the_replicas_request(llama_ckpt):
     import uvicorn
     from conftest import make_engine, wait_idle
 
-    from pagedllm.entrypoints.http_guard import h11_protocol
+    from pagedllm.entrypoints.http_guard import http_protocol
     from pagedllm.entrypoints.router.app import RouterArgs, build_router_app
 
     engine = make_engine(llama_ckpt, multiprocess=False)
@@ -161,7 +161,7 @@ def test_client_gone_before_the_answer_aborts_the_replicas_request(llama_ckpt):
                                       retry_min_s=0.2, api_key=KEY))
     port = free_port()
     router = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           http=h11_protocol(5.0)))
+                                           http=http_protocol("auto", 5.0)))
     thread = threading.Thread(target=router.run, daemon=True)
     thread.start()
     state = app.state.router
