@@ -3,8 +3,8 @@ app sees it: the API key is checked before a byte of the body is read, and the b
 route and method -- is read here, bounded in size (413, also for a chunked body without a
 Content-Length) and in the time between chunks (408), then replayed to the app. Also the
 listening socket (``listen_socket``: a bad host or a port in use is one clear error before
-anything starts) and uvicorn's h11 protocol (``h11_protocol``). Nothing here imports the engine
-(the router runs without it)."""
+anything starts) and uvicorn's HTTP protocol and event loop (``http_protocol``, ``event_loop``).
+Nothing here imports the engine (the router runs without it)."""
 from __future__ import annotations
 
 import asyncio

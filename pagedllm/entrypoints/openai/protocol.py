@@ -9,6 +9,7 @@ by SamplingParams (one source of truth).
 """
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Literal, Optional, Union
 
@@ -213,6 +214,31 @@ class CompletionResponse(BaseModel):
 
 class CompletionStreamResponse(CompletionResponse):
     pass
+
+
+_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # escapes as pydantic does
+
+
+class CompletionChunks:
+    """The SSE events of one streamed completion. The usual chunk (a choice's new text, no
+    logprobs, token ids or usage) is a template around its JSON-escaped text, byte for byte what
+    ``CompletionStreamResponse(...).model_dump_json()`` gives (tests/entrypoints pins it) without
+    building two pydantic models per token; other chunks are built from the models. Every chunk
+    of the stream has the same ``created``, as OpenAI's do."""
+
+    def __init__(self, rid: str, model: str) -> None:
+        self.rid, self.model, self.created = rid, model, _now()
+        self._head = (f'data: {{"id":{_json(rid)},"object":"text_completion","created":{self.created},'
+                      f'"model":{_json(model)},"choices":[{{"index":')
+
+    def text(self, index: int, text: str, finish_reason: Optional[str], stop_reason) -> str:
+        return (f'{self._head}{index},"text":{_json(text)},"logprobs":null,"finish_reason":{_json(finish_reason)},'
+                f'"stop_reason":{_json(stop_reason)},"prompt_logprobs":null}}],"usage":null}}\n\n')
+
+    def model_chunk(self, choices: list, usage=None) -> str:
+        response = CompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
+                                            usage=usage)
+        return f"data: {response.model_dump_json()}\n\n"
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------

@@ -35,7 +35,7 @@ from pagedllm.entrypoints.openai.structured import rename_field, request_constra
 from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
-    ChatStreamChoice, CompletionChoice, CompletionRequest, CompletionResponse, CompletionStreamResponse,
+    ChatStreamChoice, CompletionChoice, CompletionChunks, CompletionRequest, CompletionResponse,
     DeltaMessage, ErrorInfo, ErrorResponse, ImageURL, PromptTokensDetails, UsageInfo,
 )
 from pagedllm.outputs import RequestOutput
@@ -542,6 +542,8 @@ class OpenAIServing:
 
     async def _completion_stream(self, req, streams: StreamSet, rid, model, prompts) -> AsyncIterator[str]:
         done, sent, ntok, cached = set(), {}, 0, {}  # sent: characters streamed per choice
+        chunks = CompletionChunks(rid, model)
+        usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         try:
             async for i, out in streams:
                 cached[i] = out.num_cached_tokens
@@ -561,18 +563,21 @@ class OpenAIServing:
                     ntok += len(o.token_ids)
                     if o.finish_reason is not None:
                         done.add(key)
+                    if lps is None and not req.return_token_ids and not usage_each:  # the usual chunk
+                        yield chunks.text(i * req.n + o.index, text, o.finish_reason, o.stop_reason)
+                        continue
                     choice = CompletionChoice(index=i * req.n + o.index, text=text, logprobs=lps,
                                               finish_reason=o.finish_reason, stop_reason=o.stop_reason)
                     if req.return_token_ids:
                         choice.token_ids = list(o.token_ids)
                         choice.prompt_token_ids = prompts[i][1] if first else None
                     usage = None
-                    if req.stream_options and req.stream_options.continuous_usage_stats:
+                    if usage_each:
                         usage = self._usage(sum(len(ids) for _, ids in prompts), ntok, sum(cached.values()))
-                    yield sse(CompletionStreamResponse(id=rid, model=model, choices=[choice], usage=usage))
+                    yield chunks.model_chunk([choice], usage)
             if req.stream_options and req.stream_options.include_usage:
                 usage = self._usage(sum(len(ids) for _, ids in prompts), ntok, sum(cached.values()))
-                yield sse(CompletionStreamResponse(id=rid, model=model, choices=[], usage=usage))
+                yield chunks.model_chunk([], usage)
         except Exception as e:
             yield self._error_chunk(e)
         finally:
