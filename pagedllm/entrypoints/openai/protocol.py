@@ -216,31 +216,6 @@ class CompletionStreamResponse(CompletionResponse):
     pass
 
 
-_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode  # escapes as pydantic does
-
-
-class CompletionChunks:
-    """The SSE events of one streamed completion. The usual chunk (a choice's new text, no
-    logprobs, token ids or usage) is a template around its JSON-escaped text, byte for byte what
-    ``CompletionStreamResponse(...).model_dump_json()`` gives (tests/entrypoints pins it) without
-    building two pydantic models per token; other chunks are built from the models. Every chunk
-    of the stream has the same ``created``, as OpenAI's do."""
-
-    def __init__(self, rid: str, model: str) -> None:
-        self.rid, self.model, self.created = rid, model, _now()
-        self._head = (f'data: {{"id":{_json(rid)},"object":"text_completion","created":{self.created},'
-                      f'"model":{_json(model)},"choices":[{{"index":')
-
-    def text(self, index: int, text: str, finish_reason: Optional[str], stop_reason) -> str:
-        return (f'{self._head}{index},"text":{_json(text)},"logprobs":null,"finish_reason":{_json(finish_reason)},'
-                f'"stop_reason":{_json(stop_reason)},"prompt_logprobs":null}}],"usage":null}}\n\n')
-
-    def model_chunk(self, choices: list, usage=None) -> str:
-        response = CompletionStreamResponse(id=self.rid, created=self.created, model=self.model, choices=choices,
-                                            usage=usage)
-        return f"data: {response.model_dump_json()}\n\n"
-
-
 # ---- /v1/chat/completions --------------------------------------------------------------------
 class ImageURL(_Request):
     url: str  # a data: URL (base64), a local file under --allowed-local-media-path, http(s) from --allowed-media-domains
@@ -434,6 +409,57 @@ class ChatCompletionStreamResponse(BaseModel):
     @model_serializer(mode="wrap")
     def _drop_token_ids(self, handler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None or k != "prompt_token_ids"}
+
+
+_json_string = json.encoder.encode_basestring  # (C) escapes as pydantic does, non-ASCII kept
+
+
+def _json(value) -> str:
+    """A str, int or None as JSON, quickly (the stream templates' values)."""
+    if value is None:
+        return "null"
+    return _json_string(value) if type(value) is str else json.dumps(value)
+
+
+class _StreamChunks:
+    """The SSE events of one stream. The usual chunk (one choice's new text; no logprobs, token
+    ids or usage) is a template around its JSON-escaped text, byte for byte what the response
+    model's ``model_dump_json()`` gives (tests/entrypoints/test_stream_chunks.py pins it),
+    without building pydantic models per token; other chunks are built from the models
+    (``model_chunk``). Every chunk of the stream has the same ``created``, as OpenAI's do."""
+
+    OBJECT: str
+    RESPONSE: type
+
+    def __init__(self, rid: str, model: str) -> None:
+        self.rid, self.model, self.created = rid, model, _now()
+        self._head = (f'data: {{"id":{_json(rid)},"object":"{self.OBJECT}","created":{self.created},'
+                      f'"model":{_json(model)},"choices":[{{"index":')
+
+    @staticmethod
+    def _tail(finish_reason: Optional[str], stop_reason) -> str:
+        return f'"logprobs":null,"finish_reason":{_json(finish_reason)},"stop_reason":{_json(stop_reason)}'
+
+    def model_chunk(self, choices: list, usage: Optional[UsageInfo] = None, **extra) -> str:
+        response = self.RESPONSE(id=self.rid, created=self.created, model=self.model, choices=choices, usage=usage,
+                                 **extra)
+        return f"data: {response.model_dump_json()}\n\n"
+
+
+class CompletionChunks(_StreamChunks):
+    OBJECT, RESPONSE = "text_completion", CompletionStreamResponse
+
+    def text(self, index: int, text: str, finish_reason: Optional[str], stop_reason) -> str:
+        return (f'{self._head}{index},"text":{_json(text)},{self._tail(finish_reason, stop_reason)},'
+                f'"prompt_logprobs":null}}],"usage":null}}\n\n')
+
+
+class ChatChunks(_StreamChunks):
+    OBJECT, RESPONSE = "chat.completion.chunk", ChatCompletionStreamResponse
+
+    def content(self, index: int, text: str, finish_reason: Optional[str], stop_reason) -> str:
+        return (f'{self._head}{index},"delta":{{"content":{_json(text)}}},{self._tail(finish_reason, stop_reason)}}}],'
+                f'"usage":null}}\n\n')
 
 
 # ---- models, tokenizer, misc -----------------------------------------------------------------

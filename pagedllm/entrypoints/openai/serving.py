@@ -34,7 +34,7 @@ from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningStream, get_r
 from pagedllm.entrypoints.openai.structured import rename_field, request_constraint
 from pagedllm.entrypoints.request_id import request_id_var
 from pagedllm.entrypoints.openai.protocol import (
-    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionStreamResponse, ChatMessage,
+    ChatChoice, ChatChunks, ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
     ChatStreamChoice, CompletionChoice, CompletionChunks, CompletionRequest, CompletionResponse,
     DeltaMessage, ErrorInfo, ErrorResponse, ImageURL, PromptTokensDetails, UsageInfo,
 )
@@ -782,6 +782,8 @@ class OpenAIServing:
         thinking = self._reasoning_parser()
         reasoning = {k: ReasoningStream(thinking) for k in range(req.n)} if thinking is not None else None
         role_sent = False
+        chunks = ChatChunks(rid, model)
+        usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         try:
             async for _, out in streams:
                 if not role_sent:  # with the first output (after prefill, as vLLM): TTFT is measured right
@@ -789,12 +791,11 @@ class OpenAIServing:
                     for k in range(req.n):
                         choice = ChatStreamChoice(index=k, delta=DeltaMessage(role=self.options.response_role,
                                                                               content=""))
-                        yield sse(ChatCompletionStreamResponse(
-                            id=rid, model=model, choices=[choice],
-                            prompt_token_ids=out.prompt_token_ids if req.return_token_ids and k == 0 else None))
+                        yield chunks.model_chunk(
+                            [choice], prompt_token_ids=out.prompt_token_ids if req.return_token_ids and k == 0 else None)
                         if self._chat_echo(req):
                             choice = ChatStreamChoice(index=k, delta=DeltaMessage(content=self._chat_echo(req)))
-                            yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+                            yield chunks.model_chunk([choice])
                 cached = out.num_cached_tokens
                 for o in out.outputs:
                     if o.index in done or (not o.text and not o.token_ids and o.finish_reason is None):
@@ -806,32 +807,34 @@ class OpenAIServing:
                     if reasoning is not None:  # --reasoning-parser: reasoning_content deltas first
                         thought, text = reasoning[o.index].feed(o.text, o.finish_reason is not None)
                         if thought:
-                            yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[ChatStreamChoice(
-                                index=o.index, delta=DeltaMessage(reasoning_content=thought))]))
+                            yield chunks.model_chunk([ChatStreamChoice(index=o.index,
+                                                                       delta=DeltaMessage(reasoning_content=thought))])
                         if not text and o.finish_reason is None:
                             continue
                     if tools is not None:  # tool calls: content and tool_calls deltas, then the finish
                         for delta in tools[o.index].feed(text, o.finish_reason is not None):
-                            yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[
-                                ChatStreamChoice(index=o.index, delta=delta)]))
+                            yield chunks.model_chunk([ChatStreamChoice(index=o.index, delta=delta)])
                         if o.finish_reason is None:
                             continue
                         reason = tc.finish_reason(plan, tools[o.index].calls, o.finish_reason)
                         choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(), finish_reason=reason,
                                                   stop_reason=o.stop_reason)
-                        yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice]))
+                        yield chunks.model_chunk([choice])
+                        continue
+                    if not req.logprobs and not req.return_token_ids and not usage_each:  # the usual chunk
+                        yield chunks.content(o.index, text, o.finish_reason, o.stop_reason)
                         continue
                     choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(content=text),
                                               logprobs=self._chat_lps(req, o.token_ids, o.logprobs),
                                               finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                               token_ids=list(o.token_ids) if req.return_token_ids else None)
                     usage = None
-                    if req.stream_options and req.stream_options.continuous_usage_stats:
+                    if usage_each:
                         usage = self._usage(prompt_len, ntok, cached)
-                    yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[choice], usage=usage))
+                    yield chunks.model_chunk([choice], usage)
             if req.stream_options and req.stream_options.include_usage:
                 usage = self._usage(prompt_len, ntok, cached)
-                yield sse(ChatCompletionStreamResponse(id=rid, model=model, choices=[], usage=usage))
+                yield chunks.model_chunk([], usage)
         except Exception as e:
             yield self._error_chunk(e)
         finally:
