@@ -418,7 +418,7 @@ def _json(value) -> str:
     """A str, int or None as JSON, quickly (the stream templates' values)."""
     if value is None:
         return "null"
-    return _json_string(value) if type(value) is str else json.dumps(value)
+    return _json_string(value) if isinstance(value, str) else json.dumps(value)
 
 
 class _StreamChunks:
