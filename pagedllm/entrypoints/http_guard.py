@@ -133,14 +133,13 @@ def _invalid_http_body(msg: str) -> bytes:
                                  "type": "invalid_request_error", "param": None, "code": "invalid_http"}}).encode()
 
 
-def _guarded(base):
+def _guarded(base, header_timeout: float):
     """``base`` (one of uvicorn's HTTP/1.1 protocols) closing a connection that does not deliver a
     request's headers within ``header_timeout`` seconds of connecting or of sending its first
     bytes after the previous response (idle keep-alive connections are uvicorn's
     timeout_keep_alive). The subclass adds its parser's JSON answer to unparseable requests."""
 
     class _HeaderTimeout(base):
-        header_timeout = 30.0
         _header_timer = None
 
         def connection_made(self, transport) -> None:
@@ -152,7 +151,7 @@ def _guarded(base):
 
         def _arm(self) -> None:
             if self._header_timer is None:
-                self._header_timer = self.loop.call_later(self.header_timeout, self._expired)
+                self._header_timer = self.loop.call_later(header_timeout, self._expired)
 
         def _expired(self) -> None:
             self._header_timer = None
@@ -182,7 +181,7 @@ def h11_protocol(header_timeout: float):
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class _H11Protocol(_guarded(H11Protocol)):
+    class _H11Protocol(_guarded(H11Protocol, header_timeout)):
         def send_400_response(self, msg: str) -> None:
             """uvicorn's answer to a request it cannot parse (bad request line, headers, framing),
             in our JSON error shape instead of plain text."""
@@ -197,7 +196,6 @@ def h11_protocol(header_timeout: float):
                 pass
             self.transport.close()
 
-    _H11Protocol.header_timeout = header_timeout
     return _H11Protocol
 
 
@@ -207,14 +205,13 @@ def httptools_protocol(header_timeout: float):
     our JSON error shape."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    class _HttpToolsProtocol(_guarded(HttpToolsProtocol)):
+    class _HttpToolsProtocol(_guarded(HttpToolsProtocol, header_timeout)):
         def send_400_response(self, msg: str) -> None:
             data = _invalid_http_body(msg)
             self.transport.write(b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
                                  b"content-length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
             self.transport.close()
 
-    _HttpToolsProtocol.header_timeout = header_timeout
     return _HttpToolsProtocol
 
 
@@ -228,14 +225,21 @@ HTTP_CHOICES = ("auto", "httptools", "h11")
 LOOP_CHOICES = ("auto", "uvloop", "asyncio")
 
 
-def http_protocol(kind: str, header_timeout: float):
-    """The HTTP/1.1 protocol class uvicorn serves with: ``auto`` is httptools when installed
-    (the default install has it), else h11; naming one that is not installed is a ValueError."""
+def http_parser(kind: str) -> str:
+    """The HTTP/1.1 parser ``kind`` names: ``auto`` is httptools when installed (the default
+    install has it), else h11; naming one that is not installed is a ValueError."""
     if kind not in HTTP_CHOICES:
         raise ValueError(f"uvicorn_http must be one of {', '.join(HTTP_CHOICES)}, got {kind!r}")
-    if kind == "httptools" or (kind == "auto" and _installed("httptools")):
-        if not _installed("httptools"):
-            raise ValueError("uvicorn_http httptools: the httptools package is not installed (pip install httptools)")
+    if kind == "httptools" and not _installed("httptools"):
+        raise ValueError("uvicorn_http httptools: the httptools package is not installed (pip install httptools)")
+    if kind == "auto":
+        return "httptools" if _installed("httptools") else "h11"
+    return kind
+
+
+def http_protocol(kind: str, header_timeout: float):
+    """The protocol class uvicorn serves with, for the parser ``http_parser(kind)`` picks."""
+    if http_parser(kind) == "httptools":
         return httptools_protocol(header_timeout)
     return h11_protocol(header_timeout)
 

@@ -48,7 +48,7 @@ from pagedllm.entrypoints.openai.body_parsing import OffLoopBodyRoute
 from pagedllm.entrypoints.openai.responses import ServingResponses
 from pagedllm.entrypoints.openai.responses_protocol import DeletedResponse, InputItemList, ResponsesRequest
 from pagedllm.entrypoints.openai.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
-from pagedllm.entrypoints.http_guard import event_loop, http_protocol
+from pagedllm.entrypoints.http_guard import event_loop, http_parser, http_protocol
 from pagedllm.entrypoints.openai.middleware import InternalErrors, RequestGuard, error_response, json_response
 from pagedllm.entrypoints.openai.pooling_routes import add_pooling_routes
 from pagedllm.metrics.prometheus import PrometheusMetrics, format_log_line
@@ -598,7 +598,7 @@ class ServerArgs:
             raise ValueError("response_role must not be empty")
         generation_overrides(self.override_generation_config)  # malformed JSON fails at start-up
         event_loop(self.uvicorn_loop)  # an unknown or missing one fails at start-up
-        http_protocol(self.uvicorn_http, self.http_read_timeout)
+        http_parser(self.uvicorn_http)
         if self.reasoning_parser is not None:
             from pagedllm.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 
