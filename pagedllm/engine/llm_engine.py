@@ -22,6 +22,7 @@ from pagedllm.engine.core_client import EngineCoreClient, make_engine_core_clien
 from pagedllm.engine.input_processor import InputProcessor, PromptType, eos_token_ids
 from pagedllm.engine.output_processor import OUTPUT_CUMULATIVE, OUTPUT_DELTA, OUTPUT_FINAL, OutputProcessor  # noqa: F401
 from pagedllm.models.config_json import load_generation_defaults, load_hf_config
+from pagedllm.models.gguf import metadata_dir
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.tokenizer import load_tokenizer
@@ -51,9 +52,9 @@ class LLMEngine:
 
             procs = load_processor_classes(config.logits_processors)
         hf_config = load_hf_config(config.model)
-        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = None if skip_tokenizer_init else load_tokenizer(metadata_dir(config.tokenizer or config.model))
         self.hf_config = hf_config
-        self.eos_token_ids = eos_token_ids(config.model, hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(metadata_dir(config.model), hf_config, self.tokenizer)
         self.lora_registry = None  # the adapters this engine knows (enable_lora)
         if config.enable_lora:
             from pagedllm.lora.registry import LoRARegistry
@@ -64,7 +65,7 @@ class LLMEngine:
         limits = self.client.limits
         self.max_model_len = limits.max_model_len
         # The model's recommended sampling defaults, for requests that leave those fields unset.
-        self.default_sampling_params = load_generation_defaults(config.model, config.generation_config)
+        self.default_sampling_params = load_generation_defaults(metadata_dir(config.model), config.generation_config)
         if self.default_sampling_params:
             logger.info("default sampling parameters from the model's generation_config.json: %s (used where a "
                         "request leaves them unset; --generation-config vllm ignores them)",

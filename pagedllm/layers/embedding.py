@@ -10,6 +10,8 @@ from pagedllm.layers.cpu_gemm import linear
 
 
 class VocabParallelEmbedding(nn.Module):
+    packed = None  # a GGUF file's quantized table (quantization/gguf.GGUFWeight): rows dequantized on lookup
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         tp = get_tp_group()
@@ -27,12 +29,21 @@ class VocabParallelEmbedding(nn.Module):
         piece = loaded.narrow(0, self.start, self.end - self.start)
         param.data[: piece.shape[0]].copy_(piece)
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.embedding(ids, self.weight)
+        flat = self.packed.dequantize_rows(ids.reshape(-1))
+        return flat.to(self.packed_dtype).reshape(*ids.shape, -1)
+
+    packed_dtype = torch.float32  # the model's dtype, for a packed table's rows (set with ``packed``)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         mask = (input_ids >= self.start) & (input_ids < self.end)
         local = torch.where(mask, input_ids - self.start, 0)
-        out = F.embedding(local, self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
+        out = self._lookup(local)
+        out = out * mask.unsqueeze(-1).to(out.dtype)
         return self.tp.all_reduce(out)
 
 
@@ -45,7 +56,10 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(hidden, self.weight)
+        if self.packed is not None:
+            logits = self.packed.linear(hidden)
+        else:
+            logits = linear(hidden, self.weight)
         if self.tp.world_size > 1:
             logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]

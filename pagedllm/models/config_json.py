@@ -121,7 +121,11 @@ def _with_defaults(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
 
 def load_hf_config(model_dir: str):
     """The checkpoint's config: the light reader above for supported architectures (no
-    transformers import, which takes seconds), else ``transformers.AutoConfig``."""
+    transformers import, which takes seconds), else ``transformers.AutoConfig``. A GGUF file's
+    config is read from its converted metadata (models/gguf.py)."""
+    from pagedllm.models.gguf import metadata_dir
+
+    model_dir = metadata_dir(model_dir)
     light = load_config_json(model_dir)
     if light is not None:
         return light

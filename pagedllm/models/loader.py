@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -76,7 +76,9 @@ def checkpoint_target(name: str, mapping: dict, name_target=None) -> tuple[str, 
     return name, None
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def load_weights(model: nn.Module, model_dir: str, weights: Optional[Iterator] = None) -> None:
+    """Every checkpoint tensor into the parameter that owns it: the safetensors of ``model_dir``,
+    or ``weights`` ((name, source) pairs: a GGUF file's tensors) when given."""
     params = dict(model.named_parameters())
     mapping: dict = getattr(model, "packed_modules_mapping", {})
     # A family's own names (e.g. per-expert tensors into stacked expert weights): name ->
@@ -88,7 +90,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     tie = bool(getattr(model, "tie_word_embeddings", False))
     loaded: set[str] = set()
     saw_lm_head = False
-    weights = iterate_weights(model_dir)
+    weights = iterate_weights(model_dir) if weights is None else weights
     rewrite = getattr(model, "checkpoint_tensors", None)  # families whose tensors are renamed/split first
     for name, tensor in rewrite(weights) if rewrite is not None else weights:
         if "rotary_emb.inv_freq" in name:

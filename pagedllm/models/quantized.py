@@ -23,10 +23,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.models.loader import checkpoint_target
 from pagedllm.quantization.base import LinearPartition, install_quantized
+from pagedllm.quantization.gguf import pack_vocab_table, tie_packed_head
 from pagedllm.quantization.qgemm import prepare
+from pagedllm.quantization.quantized_weight import QuantizedWeight
 from pagedllm.quantization.registry import QUANT_SUFFIXES, SUPPORTED_FORMATS, QuantizationConfig
 
 logger = logging.getLogger(__name__)
@@ -70,7 +73,7 @@ def _checkpoint_modules(model: nn.Module, keys) -> dict[str, list[str]]:
 
 
 def _refuse_unsupported(model: nn.Module, qc: QuantizationConfig) -> None:
-    if qc.online:
+    if qc.online or qc.name == "gguf":  # GGUF: every family's linear layers, checked per tensor type
         return
     family = type(model).__name__
     if getattr(model, "checkpoint_tensors", None) is not None:
@@ -127,8 +130,20 @@ def quantize_linear_layers(model: nn.Module, qc: Optional[QuantizationConfig]) -
     return count
 
 
+def pack_gguf_vocab_tables(model: nn.Module, qc) -> int:
+    """A GGUF file's embeddings / LM heads stored quantized keep their rows packed (before
+    loading; call where the model is built, in its dtype)."""
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, VocabParallelEmbedding) and qc.types.get(f"{name}.weight", "F32") != "F32":
+            pack_vocab_table(module, name)
+            count += 1
+    return count
+
+
 def finish_quantized_layers(model: nn.Module) -> None:
     """After loading: every quantized layer unpacked into its run-time form; logs the bytes."""
+    tie_packed_head(model)
     layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
     if not layers:
         return
@@ -149,7 +164,7 @@ def prepare_quantized_layers(model: nn.Module) -> int:
     count = 0
     for m in model.modules():
         qw = getattr(m, "quantized", None)
-        if qw is None:
+        if not isinstance(qw, QuantizedWeight):  # None, or a GGUF weight (its kernels read the file's blocks)
             continue
         packed = prepare(qw)
         if packed is not qw:

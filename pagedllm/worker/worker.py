@@ -13,7 +13,8 @@ from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig, fit_max_model_len
 from pagedllm.models.loader import load_weights
 from pagedllm.layers.linear import linear_weights_on_meta
-from pagedllm.models.quantized import finish_quantized_layers, quantize_linear_layers
+from pagedllm.models.gguf import find_gguf_file, gguf_quantization, gguf_weights
+from pagedllm.models.quantized import finish_quantized_layers, pack_gguf_vocab_tables, quantize_linear_layers
 from pagedllm.quantization.registry import resolve_quantization
 from pagedllm.models.registry import resolve_model_class
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -143,14 +144,18 @@ class Worker:
         prev = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            quant = resolve_quantization(config.model, config.quantization)
+            gguf_file = find_gguf_file(config.model)  # a GGUF file: its blocks stay packed (quantization/gguf.py)
+            quant = (gguf_quantization(gguf_file, hf_config, config.quantization) if gguf_file
+                     else resolve_quantization(config.model, config.quantization))
             with torch.device(self.device), linear_weights_on_meta(quant is not None):
                 self.model = model_cls(hf_config)
             with torch.device(self.device):
                 quantize_linear_layers(self.model, quant)  # quantized layers never get a dense weight
+                if gguf_file:
+                    pack_gguf_vocab_tables(self.model, quant)
         finally:
             torch.set_default_dtype(prev)
-        load_weights(self.model, config.model)
+        load_weights(self.model, config.model, gguf_weights(gguf_file, hf_config) if gguf_file else None)
         finish_quantized_layers(self.model)
         self.model.eval()
         self.cpu_description = self.platform.prepare_model(self.model, self.dtype, config, self.cpu_threads)

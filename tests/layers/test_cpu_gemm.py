@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
-from pagedllm.kernels import isa
 from pagedllm.layers import cpu_gemm
+from conftest import kernels_at_level
 
 
 def reference(x, w, b=None):
@@ -26,14 +26,8 @@ GEMM_PATHS = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "avx512_bf
 @pytest.fixture(scope="module", params=list(GEMM_PATHS))
 def level_kernels(request):
     """The kernels built for one ISA level, skipped where this CPU lacks the level's flags."""
-    level = request.param
-    lacking = isa.missing(isa.level(level))
-    if lacking:
-        pytest.skip(f"the {level} GEMM path needs CPU flags this CPU lacks: {', '.join(lacking)}")
-    module = cpu_kernels.select_and_load(level=level)
-    if module is None:
-        pytest.skip(f"the {level} kernels could not be built (no C++ compiler?)")
-    assert module.gemm_path() == GEMM_PATHS[level]
+    module = kernels_at_level(request.param)
+    assert module.gemm_path() == GEMM_PATHS[request.param]
     return module
 
 

@@ -16,6 +16,7 @@ from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.quantization import packed_qweight, qgemm
 from qgemm_cases import int8_act_reference, random_input, random_qweight, reference
+from conftest import kernels_at_level
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 SHAPES = [(1, 128, 33), (5, 256, 70), (9, 128, 16), (6, 768, 50)]  # (M, K, N); K 768: groups of K in 256-k chunks
@@ -23,14 +24,7 @@ SHAPES = [(1, 128, 33), (5, 256, 70), (9, 128, 16), (6, 768, 50)]  # (M, K, N); 
 
 @pytest.fixture(scope="module", params=LEVELS)
 def level_kernels(request):
-    level = request.param
-    lacking = isa.missing(isa.level(level))
-    if lacking:
-        pytest.skip(f"the {level} kernels need CPU flags this CPU lacks: {', '.join(lacking)}")
-    module = cpu_kernels.select_and_load(level=level)
-    if module is None:
-        pytest.skip(f"the {level} kernels could not be built (no C++ compiler?)")
-    return module
+    return kernels_at_level(request.param)
 
 
 def check_close(y, ref, x, qw, out_dtype):

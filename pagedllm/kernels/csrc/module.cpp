@@ -4,6 +4,7 @@
 // their entry points (ops.h). A new family: its header, a <family>.cpp defining its entry points
 // in pagedllm::ops, their declarations in ops.h, and an m.def below.
 #include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 
 #include "ops.h"
 
@@ -77,6 +78,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none(), py::arg("vnni") = true,
         "W8A8 y = x W^T (+ bias): per-row int8 activations, exact int32 group sums (vpdpbusd where the CPU has it)");
   m.def("int8_dot_vnni", &int8_dot_vnni, "whether quant_linear_i8 uses AVX512-VNNI here");
+  m.def("gguf_linear", &gguf_linear, py::arg("out"), py::arg("x"), py::arg("w"), py::arg("qtype"),
+        "out[M, N] = x[M, K] W^T with W uint8 [N, row_bytes] in a GGUF block type (ggml type id), dequantized in registers");
+  m.def("gguf_dequantize", &gguf_dequantize, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("k"),
+        "float32 [len(rows), K]: the given rows of a GGUF-packed weight, dequantized");
+  m.def("gguf_types", &gguf_types, "the ggml type ids gguf_linear and gguf_dequantize accept");
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each float32 row");
   m.def("sample_rows", &sample_rows,
         "a token per float32 row from softmax(row / temperature) by inverse CDF of one uniform (argmax at temperature 0)");

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace pagedllm {
 namespace ops {
@@ -49,6 +50,11 @@ Tensor quant_linear_i8(Tensor x, Tensor packed, Tensor scales, std::optional<Ten
                        int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias,
                        bool vnni);
 bool int8_dot_vnni();
+
+// gguf_gemm.cpp (GGUF block formats kept packed: gguf_gemm.h)
+void gguf_linear(Tensor out, Tensor x, Tensor w, int64_t qtype);
+Tensor gguf_dequantize(Tensor w, int64_t qtype, Tensor rows, int64_t k);
+std::vector<int64_t> gguf_types();
 
 // module.cpp: what this build was compiled for.
 const char* isa_level();
