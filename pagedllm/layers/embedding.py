@@ -7,6 +7,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_gemm import linear
+from pagedllm.layers.linear import materialize
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -27,7 +28,7 @@ class VocabParallelEmbedding(nn.Module):
         if loaded.shape[0] < self.vocab_size or loaded.shape[1] != param.shape[1]:
             raise ValueError(f"embedding shape {tuple(loaded.shape)} does not match vocab {self.vocab_size}")
         piece = loaded.narrow(0, self.start, self.end - self.start)
-        param.data[: piece.shape[0]].copy_(piece)
+        param.data[: piece.shape[0]].copy_(materialize(piece))
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -103,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         piece = loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else materialize(loaded)
         if piece.shape[0] != size or piece.shape[1:] != param.shape[1:]:
             raise ValueError(f"shape mismatch loading shard {shard_id}: {tuple(loaded.shape)} into {tuple(param.shape)}")
-        param.data.narrow(0, offset, size).copy_(piece)
+        param.data.narrow(0, offset, size).copy_(materialize(piece))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
@@ -145,7 +145,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         piece = loaded.narrow(0, start, size)
         if piece.shape[1:] != param.shape[1:]:
             raise ValueError(f"shape mismatch loading {shard_id}: {tuple(loaded.shape)} into {tuple(param.shape)}")
-        param.data.narrow(0, offset, size).copy_(piece)
+        param.data.narrow(0, offset, size).copy_(materialize(piece))
 
 
 class RowParallelLinear(nn.Module):

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import numpy as np
@@ -45,7 +47,8 @@ GGUF_ARCHITECTURES = {
 _PERMUTED_QK = ("llama", "mistral")
 # the norm weights llama.cpp stores as 1 + w (Gemma's (1 + w) RMSNorm, written out)
 _NORM_PLUS_ONE = ("gemma2", "gemma3")
-_CONVERTER_VERSION = "1"
+_CONVERTER_VERSION = "2"
+TENSOR_MAP = "gguf_tensor_map.json"  # in the metadata folder: GGUF tensor name -> HF name
 
 
 def find_gguf_file(path: str) -> Optional[str]:
@@ -75,6 +78,15 @@ def served_name(path: str) -> str:
     """The default served model name of a GGUF model: the file's stem."""
     file = find_gguf_file(path) or path
     return os.path.splitext(os.path.basename(file))[0]
+
+
+def default_served_name(model: str) -> str:
+    """The name clients use for ``model`` when none is given: a GGUF model's file stem, else the path."""
+    try:
+        file = find_gguf_file(model)
+    except ValueError:
+        file = None
+    return served_name(file) if file else model
 
 
 def _reader(file: str):
@@ -163,6 +175,9 @@ def _convert_metadata(file: str, out: str) -> None:
         json.dump({"eos_token_id": eos, "bos_token_id": config.get("bos_token_id")}, f)
     with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=1, default=str)
+    names = _hf_name_map(out, "llama" if arch == "mistral" else arch)
+    with open(os.path.join(out, TENSOR_MAP), "w", encoding="utf-8") as f:
+        json.dump(names, f, indent=0)
 
 
 class GGUFTensorSource:
@@ -206,47 +221,33 @@ class GGUFTensorSource:
         c0 = self._cols[0] + start
         return self._copy(self._rows, (c0, c0 + length), (self.shape[0], length))
 
-    def _raw_rows(self) -> np.ndarray:
-        data = self._data
-        if data.ndim == 1:
-            data = data.reshape(1, -1)
-        if self._rows is not None:
-            data = data[self._rows]
-        return data
+    def _row_bytes(self) -> np.ndarray:
+        """uint8 [rows, row_bytes] of the selected rows (all columns), a view of the map where possible."""
+        if self._data.ndim == 1:  # a vector: its "rows" are elements (float types: one per block)
+            data = self._data.reshape(-1, self.block_bytes)
+            return (data if self._rows is None else data[self._rows]).reshape(1, -1)
+        return self._data if self._rows is None else self._data[self._rows]
 
     def packed(self) -> torch.Tensor:
         """uint8 [rows, row_bytes]: this slice's blocks exactly as they lie in the file."""
-        data = self._raw_rows()
-        if data.dtype != np.uint8:
-            data = data.view(np.uint8)
-        per = self.block_bytes // self.block_elems if self.block_elems == 1 else None
-        c0, c1 = self._cols
-        if per is not None:
-            data = data[:, c0 * per:c1 * per]
-        elif (c0, c1) != (0, self._full_cols()):
-            b0, b1 = c0 // self.block_elems * self.block_bytes, c1 // self.block_elems * self.block_bytes
-            data = data[:, b0:b1]
+        data = self._row_bytes()
+        c0, c1 = self._cols if self._cols is not None else (0, 0)
+        if self._cols is not None and (c0, c1) != (0, self._data.shape[-1] // self.block_bytes * self.block_elems):
+            data = data[:, c0 // self.block_elems * self.block_bytes:c1 // self.block_elems * self.block_bytes]
         return torch.from_numpy(np.array(data, dtype=np.uint8, order="C", copy=True))  # off the read-only map
 
-    def _full_cols(self) -> int:
-        data = self._data
-        row_bytes = data.reshape(data.shape[0], -1).shape[-1] * data.dtype.itemsize if data.ndim > 1 else None
-        return row_bytes // self.block_bytes * self.block_elems if row_bytes else self.shape[-1]
-
     def full(self) -> torch.Tensor:
-        from gguf.quants import dequantize
-
-        if len(self.shape) == 2:
-            if self.quantized:
-                arr = dequantize(self.packed().numpy(), self.qtype)
-            else:
-                arr = np.asarray(self._raw_rows(), dtype=np.float32)[:, self._cols[0]:self._cols[1]]
+        """float32 in ``shape``: the slice dequantized (F32 / F16 read as they are)."""
+        raw = self.packed().numpy()
+        if self.type_name == "F32":
+            arr = raw.view(np.float32)
+        elif self.type_name == "F16":
+            arr = raw.view(np.float16).astype(np.float32)
         else:
-            flat = self._data.reshape(-1)
-            arr = dequantize(flat.view(np.uint8), self.qtype).reshape(-1) if self.quantized else flat
-            if self._rows is not None:
-                arr = arr[self._rows]
-        out = torch.from_numpy(np.array(arr, dtype=np.float32)).reshape(self.shape)
+            from gguf.quants import dequantize
+
+            arr = dequantize(raw, self.qtype)
+        out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(self.shape)
         return out + self._add if self._add else out
 
 
@@ -258,45 +259,138 @@ def _reverse_permute_rows(n_rows: int, n_head: int) -> np.ndarray:
     return idx
 
 
-def hf_name_map(path: str, arch: str) -> dict[str, str]:
+def _hf_name_map(meta_dir: str, arch: str) -> dict[str, str]:
     """GGUF tensor name -> HF parameter name, from gguf's tensor-name tables over the HF model's
-    own parameter names (an HF model built on the meta device: no memory)."""
+    own parameter names (an HF model built on the meta device: no memory; ~10 s, so done once,
+    at conversion, and kept in the metadata folder)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    cfg = AutoConfig.from_pretrained(metadata_dir(path), local_files_only=True)
+    cfg = AutoConfig.from_pretrained(meta_dir, local_files_only=True)
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(cfg)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=cfg.to_dict())
     return get_gguf_hf_weights_map(hf_model, processor)
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple  # torch order (GGUF lists dimensions innermost first)
+    qtype: int
+    offset: int  # from the start of the file
+
+
+_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+
+
+def tensor_index(file: str) -> list[TensorInfo]:
+    """The tensor table of a GGUF file, metadata values skipped unread (gguf's GGUFReader parses
+    every field, the tokenizer's 49k-entry arrays included: seconds per open)."""
+    import struct
+
+    with open(file, "rb") as f:
+        head = f.read(24)
+        if len(head) < 24 or head[:4] != b"GGUF":
+            raise ValueError(f"{file!r} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", head, 4)
+        if version < 2:
+            raise ValueError(f"GGUF file {file!r}: version {version} is not supported (2 or later)")
+        size = os.fstat(f.fileno()).st_size
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        pos = 24
+        alignment = 32
+
+        def string(p):
+            (n,) = struct.unpack_from("<Q", buf, p)
+            return buf[p + 8:p + 8 + n].decode("utf-8", "replace"), p + 8 + n
+
+        def skip(vtype, p):
+            if vtype in _SCALAR_SIZES:
+                return p + _SCALAR_SIZES[vtype]
+            if vtype == 8:
+                (n,) = struct.unpack_from("<Q", buf, p)
+                return p + 8 + n
+            if vtype == 9:
+                etype, count = struct.unpack_from("<IQ", buf, p)
+                p += 12
+                if etype in _SCALAR_SIZES:
+                    return p + count * _SCALAR_SIZES[etype]
+                for _ in range(count):
+                    p = skip(etype, p)
+                return p
+            raise ValueError(f"GGUF file {file!r}: unknown metadata value type {vtype}")
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            if key == "general.alignment" and vtype == 4:
+                (alignment,) = struct.unpack_from("<I", buf, pos)
+            pos = skip(vtype, pos)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            qtype, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(int(d) for d in reversed(dims)), int(qtype), int(offset)))
+    except struct.error:
+        raise ValueError(f"GGUF file {file!r} is truncated (its header ends early)") from None
+    finally:
+        buf.close()
+    start = (pos + alignment - 1) // alignment * alignment
+    out = [TensorInfo(name, shape, qtype, start + offset) for name, shape, qtype, offset in infos]
+    for t in out:
+        if t.offset + _nbytes(t) > size:
+            raise ValueError(f"GGUF file {file!r} is truncated: tensor {t.name!r} runs past its end")
+    return out
+
+
+def _nbytes(t: TensorInfo) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.qtype)]
+    except (ValueError, KeyError):
+        raise ValueError(f"tensor {t.name!r}: unknown GGUF tensor type id {t.qtype}") from None
+    count = int(np.prod(t.shape)) if t.shape else 1
+    return count // elems * nbytes
+
+
+def _tensor_map(path: str) -> dict[str, str]:
+    with open(os.path.join(metadata_dir(path), TENSOR_MAP), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def gguf_weights(path: str, hf_config) -> Iterator[tuple[str, GGUFTensorSource]]:
-    """Every tensor of the GGUF model at ``path`` as (HF name, source), in file order."""
+    """Every tensor of the GGUF model at ``path`` as (HF name, source over the file's memory
+    map), in file order."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     file = find_gguf_file(path)
-    reader = _reader(file)
-    arch = architecture(reader, file)
-    names = hf_name_map(path, "llama" if arch == "mistral" else arch)
+    arch = hf_config.gguf_architecture
+    names = _tensor_map(path)
     heads = int(hf_config.num_attention_heads)
     kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    for t in reader.tensors:
+    mm = np.memmap(file, dtype=np.uint8, mode="r")
+    for t in tensor_index(file):
         hf_name = names.get(t.name)
         if hf_name is None:
             if t.name.startswith("rope_freqs") or t.name.endswith(".rope_freqs.weight"):
                 continue  # llama.cpp's precomputed rotary factors: ours come from the config
             raise ValueError(f"GGUF file {file!r}: tensor {t.name!r} has no counterpart in {GGUF_ARCHITECTURES[arch]}")
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+        qtype = GGMLQuantizationType(t.qtype)
+        elems, nbytes = GGML_QUANT_SIZES[qtype]
+        raw = mm[t.offset:t.offset + _nbytes(t)]
+        data = raw.reshape(t.shape[0], t.shape[1] // elems * nbytes) if len(t.shape) == 2 else raw
         rows = None
-        if arch in _PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name) and len(shape) == 2:
-            rows = _reverse_permute_rows(shape[0], heads if ".attn_q." in t.name else kv_heads)
+        if arch in _PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name) and len(t.shape) == 2:
+            rows = _reverse_permute_rows(t.shape[0], heads if ".attn_q." in t.name else kv_heads)
         add = -1.0 if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight") else 0.0
-        yield hf_name, GGUFTensorSource(t.name, t.data, int(t.tensor_type), shape, rows, add)
-
-
-def tensor_types(path: str) -> dict[str, str]:
-    """GGUF tensor name -> its block type's name (for the load log and refusals)."""
-    reader = _reader(find_gguf_file(path))
-    return {t.name: t.tensor_type.name for t in reader.tensors}
+        yield hf_name, GGUFTensorSource(t.name, data, t.qtype, t.shape, rows, add)
 
 
 def gguf_quantization(path: str, hf_config, requested: Optional[str]):

@@ -159,9 +159,7 @@ class GGUFMethod(QuantMethod):
         covered = sum(s.rows for s in segs)
         if covered != part.out_features:
             raise ValueError(f"GGUF layer of {part.out_features} rows got only {covered} rows from the file")
-        if len({s.qtype for s in segs}) == 1 and len(segs) > 1:  # one block type: one tensor, one kernel call
-            segs = [GGUFSegment(0, part.out_features, segs[0].qtype, segs[0].type_name,
-                                torch.cat([s.data for s in segs]))]
+        segs = _merge_runs(segs)
         gw = GGUFWeight(tuple(segs), part.out_features, part.in_features)
         device, dtype = layer.gguf_target
         del layer.gguf_segments, layer.gguf_partition, layer.gguf_target
@@ -174,6 +172,21 @@ class GGUFMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return gguf_linear(x, layer.quantized, bias)
+
+
+def _merge_runs(segs: list) -> list:
+    """Adjacent segments of one block type as one (one tensor, one kernel call): q/k/v all Q4_K
+    become one segment; Q4_K_M's q, k in Q4_K and v in Q6_K become two."""
+    out: list = []
+    for s in segs:
+        last = out[-1] if out else None
+        if last is not None and last[-1].qtype == s.qtype:
+            last.append(s)
+        else:
+            out.append([s])
+    return [run[0] if len(run) == 1 else GGUFSegment(run[0].row_offset, sum(s.rows for s in run), run[0].qtype,
+                                                      run[0].type_name, torch.cat([s.data for s in run]))
+            for run in out]
 
 
 def install_gguf(layer: nn.Module, gw: GGUFWeight) -> None:
@@ -223,6 +236,7 @@ class GGUFQuantConfig:
 
     name = "gguf"
     online = False
+    require_match = False  # a file of float tensors only (F32) has no packed layer, and is still a model
 
     def __init__(self, types: dict) -> None:
         self.types = dict(types)

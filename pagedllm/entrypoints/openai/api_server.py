@@ -36,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedllm.models.gguf import default_served_name
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_llm import DEAD_MESSAGE
 from pagedllm.entrypoints.openai.protocol import (
@@ -83,7 +84,7 @@ class ServerState:
             self.engine, self.config = engine_or_config, engine_or_config.config
         self.owns_engine = self.engine is None if owns_engine is None else owns_engine
         self.model_path = self.config.model
-        name = served_model_name or self.config.served_model_name or self.config.model
+        name = served_model_name or self.config.served_model_name or default_served_name(self.config.model)
         self.served_model_names = [name]
         for extra in self.args.served_model_names:  # --served-model-name a b: every name routable
             if extra not in self.served_model_names:
