@@ -39,6 +39,41 @@ def _tokenizer():
     return tokens, merges
 
 
+# byte offsets of each block's f16 scale fields (random bytes there could be inf / nan)
+SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), **_KQUANT_SCALES}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int, dead_groups: bool = False) -> np.ndarray:
+    """uint8 [n, row_bytes]: random blocks of ``type_name`` (every code value and high-bit pattern
+    occurs) with sane f16 scales; ``dead_groups``: some blocks' scale fields zeroed (constant groups)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed)
+    if type_name in ("F32", "F16", "BF16"):
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        return gguf.quants.quantize(w, qtype) if type_name == "BF16" else w.astype(
+            np.float16 if type_name == "F16" else np.float32).view(np.uint8)
+    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
+    for off in SCALE_OFFSETS[type_name]:
+        scales = (rng.uniform(0.5, 1.5, size=(n, k // elems)) * 2.0**-6).astype(np.float16)
+        blocks[:, :, off:off + 2] = scales.view(np.uint8).reshape(n, k // elems, 2)
+    if dead_groups:
+        blocks[::3, ::2, SCALE_OFFSETS[type_name][0]:SCALE_OFFSETS[type_name][0] + 2] = 0
+    return blocks.reshape(n, -1)
+
+
+def reference_dequantize(packed: np.ndarray, type_name: str):
+    """gguf-py's dequantization (the format's definition) as a float32 torch tensor."""
+    import gguf
+    import torch
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.ascontiguousarray(dequantize(packed, gguf.GGMLQuantizationType[type_name]),
+                                                 dtype=np.float32))
+
+
 def _random_kquant(type_name: str, rows: int, cols: int, std: float, rng) -> np.ndarray:
     """Random k-quant blocks whose dequantized weights have mean ~0 and the given spread: the
     weights are linear in the f16 scale fields (d, and dmin where there is one), so they are set

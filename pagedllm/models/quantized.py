@@ -27,7 +27,8 @@ from pagedllm.layers.embedding import VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.models.loader import checkpoint_target
 from pagedllm.quantization.base import LinearPartition, install_quantized
-from pagedllm.quantization.gguf import pack_vocab_table, tie_packed_head
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.quantization.gguf import GGUFWeight, install_gguf, pack_vocab_table, tie_packed_head
 from pagedllm.quantization.qgemm import prepare
 from pagedllm.quantization.quantized_weight import QuantizedWeight
 from pagedllm.quantization.registry import QUANT_SUFFIXES, SUPPORTED_FORMATS, QuantizationConfig
@@ -162,12 +163,46 @@ def prepare_quantized_layers(model: nn.Module) -> int:
     """After the CPU kernels are loaded: every quantized weight repacked once into the layout they
     multiply (``qgemm.prepare``; the unpacked form is dropped). Returns how many were repacked."""
     count = 0
+    kernels = cpu_kernels.ready()
     for m in model.modules():
         qw = getattr(m, "quantized", None)
-        if not isinstance(qw, QuantizedWeight):  # None, or a GGUF weight (its kernels read the file's blocks)
+        if isinstance(qw, GGUFWeight):  # GGUF blocks: into panels where the type has a panel form
+            panels = qw.with_panels(kernels) if kernels is not None else qw
+            if panels is not qw:
+                install_gguf(m, panels)
+                count += 1
+            continue
+        if not isinstance(qw, QuantizedWeight):
             continue
         packed = prepare(qw)
         if packed is not qw:
             install_quantized(m, packed)
             count += 1
-    return count
+    return count + prepare_gguf_vocab_tables(model, kernels)
+
+
+def prepare_gguf_vocab_tables(model: nn.Module, kernels) -> int:
+    """A GGUF embedding table (and the tied head that multiplies it) into panels, once; the
+    modules' ``weight`` becomes the panels' bytes (one parameter shared by both)."""
+    if kernels is None:
+        return 0
+    done: dict = {}
+    for m in model.modules():
+        gw = getattr(m, "packed", None)
+        if not isinstance(gw, GGUFWeight):
+            continue
+        if id(gw) not in done:
+            new = gw.with_panels(kernels)
+            params = None
+            if new is not gw:
+                pw = new.segments[0].panels
+                params = tuple(None if t is None else nn.Parameter(t, requires_grad=False)
+                               for t in (pw.packed, pw.scales, pw.zeros))
+            done[id(gw)] = (new, params)
+        new, params = done[id(gw)]
+        if params is not None:
+            m.packed = new
+            m.weight, m.packed_scales = params[0], params[1]
+            if params[2] is not None:
+                m.packed_zeros = params[2]
+    return sum(1 for _, params in done.values() if params is not None)

@@ -14,7 +14,7 @@ Supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -23,6 +23,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.quantization.base import LinearPartition, QuantMethod
+from pagedllm.quantization.qgemm import quantized_linear
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                    "Q6_K")
@@ -48,7 +49,11 @@ class GGUFSegment:
     rows: int
     qtype: int
     type_name: str
-    data: torch.Tensor  # uint8 [rows, row_bytes]
+    data: torch.Tensor  # uint8 [rows, row_bytes]; empty once ``panels`` holds the weight
+    panels: Optional[object] = None  # the quantized-GEMM panel form (gguf_panels.py), where the type has one
+
+    def nbytes(self) -> int:
+        return self.data.numel() if self.panels is None else self.panels.nbytes()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,11 +68,29 @@ class GGUFWeight:
         return "gguf:" + "+".join(sorted({s.type_name for s in self.segments}))
 
     def nbytes(self) -> int:
-        return sum(s.data.numel() for s in self.segments)
+        return sum(s.nbytes() for s in self.segments)
+
+    def with_panels(self, kernels) -> "GGUFWeight":
+        """This weight with every segment whose type has a panel form rewritten into it (the
+        file-layout bytes dropped); itself where none has."""
+        from pagedllm.quantization.gguf_panels import to_panels
+
+        segs, changed = [], False
+        for seg in self.segments:
+            pw = to_panels(seg.data, seg.type_name, self.in_features, kernels) if seg.panels is None else None
+            if pw is not None:
+                seg = replace(seg, data=seg.data.new_empty(0, 0), panels=pw)
+                changed = True
+            segs.append(seg)
+        return replace(self, segments=tuple(segs)) if changed else self
 
     def dequantize_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 [len(rows), in_features] (an embedding lookup; single-segment tables)."""
         seg = self.segments[0]
+        if seg.panels is not None:
+            from pagedllm.quantization.gguf_panels import panel_rows
+
+            return panel_rows(seg.panels, rows.cpu().to(torch.int64)).to(rows.device)
         kernels = cpu_kernels.ready()
         if kernels is not None and rows.device.type == "cpu":
             return kernels.gguf_dequantize(seg.data, seg.qtype, rows.to(torch.int64), self.in_features)
@@ -80,7 +103,8 @@ class GGUFWeight:
         """The whole weight as float32 [out_features, in_features] (GPU layers at load; tests)."""
         out = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         for seg in self.segments:
-            out[seg.row_offset:seg.row_offset + seg.rows] = _reference_dequantize(seg, None)
+            out[seg.row_offset:seg.row_offset + seg.rows] = (
+                _reference_dequantize(seg, None) if seg.panels is None else seg.panels.dequantize()[:seg.rows])
         return out
 
 
@@ -102,10 +126,16 @@ def gguf_linear(x: torch.Tensor, gw: GGUFWeight, bias: Optional[torch.Tensor] = 
         if x2.dtype not in (torch.float32, torch.bfloat16):
             x2 = x2.float()
         x2 = x2.contiguous()
-        y = torch.empty(x2.shape[0], gw.out_features, dtype=x2.dtype)
-        for seg in gw.segments:
-            out = y if len(gw.segments) == 1 else y[:, seg.row_offset:seg.row_offset + seg.rows]
-            kernels.gguf_linear(out, x2, seg.data, seg.qtype)
+        if len(gw.segments) == 1 and gw.segments[0].panels is not None:
+            y = quantized_linear(x2, gw.segments[0].panels)
+        else:
+            y = torch.empty(x2.shape[0], gw.out_features, dtype=x2.dtype)
+            for seg in gw.segments:
+                out = y if len(gw.segments) == 1 else y[:, seg.row_offset:seg.row_offset + seg.rows]
+                if seg.panels is not None:
+                    out.copy_(quantized_linear(x2, seg.panels))
+                else:
+                    kernels.gguf_linear(out, x2, seg.data, seg.qtype)
     else:
         y = torch.empty(x2.shape[0], gw.out_features, dtype=torch.float32, device=x2.device)
         for seg in gw.segments:  # one segment dequantized at a time, never the whole model
@@ -196,7 +226,13 @@ def install_gguf(layer: nn.Module, gw: GGUFWeight) -> None:
         if name == "weight" or name.startswith("q_seg"):
             del layer._parameters[name]
     for i, seg in enumerate(gw.segments):
-        layer.register_parameter(f"q_seg{i}", nn.Parameter(seg.data, requires_grad=False))
+        if seg.panels is None:
+            layer.register_parameter(f"q_seg{i}", nn.Parameter(seg.data, requires_grad=False))
+            continue
+        for part in ("packed", "scales", "zeros"):
+            t = getattr(seg.panels, part)
+            if t is not None:
+                layer.register_parameter(f"q_seg{i}_{part}", nn.Parameter(t, requires_grad=False))
     layer.checkpoint_param_names = ()
     layer.quantized = gw
 

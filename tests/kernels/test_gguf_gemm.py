@@ -8,45 +8,21 @@ segment of a fused layer). Blocks are random bytes with sane f16 scales, so ever
 every high-bit pattern occurs."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
-from conftest import kernels_at_level
+from kernel_levels import kernels_at_level
 
 gguf = pytest.importorskip("gguf")
-from gguf.quants import dequantize  # noqa: E402
+from gguf_files import random_blocks as random_packed, reference_dequantize as reference  # noqa: E402
 
 LEVELS = ["scalar", "avx2", "avx512"]
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-# byte offsets of each block's f16 scale fields (random bytes there could be inf / nan)
-SCALE_OFFSETS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-                 "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 @pytest.fixture(scope="module", params=LEVELS)
 def level_kernels(request):
     return kernels_at_level(request.param)
-
-
-def random_packed(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
-    qtype = gguf.GGMLQuantizationType[type_name]
-    rng = np.random.default_rng(seed)
-    if type_name in ("F32", "F16", "BF16"):
-        w = rng.standard_normal((n, k)).astype(np.float32)
-        return gguf.quants.quantize(w, qtype) if type_name == "BF16" else w.astype(
-            np.float16 if type_name == "F16" else np.float32).view(np.uint8)
-    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n, k // elems, nbytes), dtype=np.uint8)
-    for off in SCALE_OFFSETS[type_name]:
-        scales = (rng.uniform(0.5, 1.5, size=(n, k // elems)) * 2.0**-6).astype(np.float16)
-        blocks[:, :, off:off + 2] = scales.view(np.uint8).reshape(n, k // elems, 2)
-    return blocks.reshape(n, -1)
-
-
-def reference(packed: np.ndarray, type_name: str) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(dequantize(packed, gguf.GGMLQuantizationType[type_name]),
-                                                 dtype=np.float32))
 
 
 def test_types_listed(level_kernels):

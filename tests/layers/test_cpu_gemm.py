@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.layers import cpu_gemm
-from conftest import kernels_at_level
+from kernel_levels import kernels_at_level
 
 
 def reference(x, w, b=None):

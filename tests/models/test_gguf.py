@@ -90,10 +90,11 @@ def test_weights_stay_packed(gguf_dir):
     model = _engine_model(llm)
     resident = sum(p.numel() * p.element_size() for p in model.parameters())
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
-    # the blocks themselves, plus nothing dense: far below the float32 size of the same weights
+    # the blocks (Q4_0 / Q8_0 rewritten into quantized-GEMM panels: float32 scales, +6..11%), nothing
+    # dense: under a byte per weight, where float32 would be four
     n_weights = sum(int(np.prod(t.shape)) for t in gguf.GGUFReader(path).tensors)
-    assert resident <= tensor_bytes * 1.05, (resident, tensor_bytes)
-    assert resident < n_weights * 4 / 4
+    assert resident <= tensor_bytes * 1.15, (resident, tensor_bytes)
+    assert resident < n_weights
     emb = model.model.embed_tokens
     assert emb.packed is not None and emb.weight.dtype == torch.uint8
     assert model.lm_head.packed is emb.packed  # the tied head multiplies the same table

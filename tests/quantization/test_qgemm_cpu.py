@@ -16,7 +16,7 @@ from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.quantization import packed_qweight, qgemm
 from qgemm_cases import int8_act_reference, random_input, random_qweight, reference
-from conftest import kernels_at_level
+from kernel_levels import kernels_at_level
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
 SHAPES = [(1, 128, 33), (5, 256, 70), (9, 128, 16), (6, 768, 50)]  # (M, K, N); K 768: groups of K in 256-k chunks
