@@ -20,7 +20,7 @@ count (``--threads``, default 2) and greedy decoding:
 
 ``--fidelity``: HF's greedy answers (32 tokens) to 8 chat questions are fed back as prompts and
 read with ``prompt_logprobs`` (llama.cpp: ``logits_all``): the share of positions where the
-engine's top-1 is HF's token, the positions where they differ while HF's top-2 margin is >= 0.5
+engine's top-1 is HF's top-1 on the same tokens, the positions where they differ while HF's top-2 margin is >= 0.5
 nats, and the perplexity of an English text (Python's own documentation of the assignment
 statement, >= 700 tokens) against HF's.
 """
@@ -179,8 +179,11 @@ def child_fidelity_hf(args) -> dict:
             g = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, min_new_tokens=32,
                            do_sample=False, pad_token_id=0)[0].tolist()
             logits = m(torch.tensor([g])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-            top2 = logits.topk(2, dim=-1).values
-            cases.append({"prompt": prompt, "answer": g[len(prompt):], "margin": (top2[:, 0] - top2[:, 1]).tolist()})
+            top2 = logits.topk(2, dim=-1)
+            # min_new_tokens keeps EOS out of the generated answer, so HF's own top-1 at a position
+            # (what the engines are compared with) can differ from the token fed there
+            cases.append({"prompt": prompt, "answer": g[len(prompt):], "hf_top1": top2.indices[:, 0].tolist(),
+                          "margin": (top2.values[:, 0] - top2.values[:, 1]).tolist()})
         text = tok.encode(english_text(), add_special_tokens=False)
         lp = m(torch.tensor([text])).logits[0, :-1].log_softmax(-1)
         nll = -lp.gather(1, torch.tensor(text[1:])[:, None]).mean().item()
@@ -232,7 +235,7 @@ def agreement(ref, got) -> dict:
 
     total = same = sure_misses = 0
     for c, t in zip(ref["cases"], got["top1"]):
-        for i, (a, b) in enumerate(zip(c["answer"], t)):
+        for i, (a, b) in enumerate(zip(c["hf_top1"], t)):
             total += 1
             if a == b:
                 same += 1
