@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from pagedllm.attention.forward_context import get_attention_metadata
+from pagedllm.models import decode_stack
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention, split_heads
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -137,6 +139,10 @@ class LlamaModel(nn.Module):
         else:
             h, residual = intermediate
         rope = self.rotary.cos_sin(positions, h.dtype)
+        if self.is_first and self.is_last and inputs_embeds is None:  # a decode-only step: every layer natively
+            out = decode_stack.decode_step(self, h, rope, get_attention_metadata())
+            if out is not None:
+                return out
         for layer in self.layers[self.start : self.end]:
             h, residual = layer(rope, h, residual)
         if not self.is_last:

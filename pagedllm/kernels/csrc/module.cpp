@@ -83,6 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("k"),
         "float32 [len(rows), K]: the given rows of a GGUF-packed weight, dequantized");
   m.def("gguf_types", &gguf_types, "the ggml type ids gguf_linear and gguf_dequantize accept");
+  bind_decode_stack(m);
   m.def("argmax_rows", &argmax_rows, "index of the first maximum of each float32 row");
   m.def("sample_rows", &sample_rows,
         "a token per float32 row from softmax(row / temperature) by inverse CDF of one uniform (argmax at temperature 0)");

@@ -10,6 +10,10 @@
 #include <string>
 #include <vector>
 
+namespace pybind11 {
+class module_;
+}
+
 namespace pagedllm {
 namespace ops {
 
@@ -55,6 +59,9 @@ bool int8_dot_vnni();
 void gguf_linear(Tensor out, Tensor x, Tensor w, int64_t qtype);
 Tensor gguf_dequantize(Tensor w, int64_t qtype, Tensor rows, int64_t k);
 std::vector<int64_t> gguf_types();
+
+// decode_stack.cpp: the DecodeStack class (every decoder layer of a decode step in one call)
+void bind_decode_stack(pybind11::module_& m);
 
 // module.cpp: what this build was compiled for.
 const char* isa_level();

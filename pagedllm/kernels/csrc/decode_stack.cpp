@@ -1,0 +1,198 @@
+// The steady decode step of a Llama-shaped decoder (pre-norm RMSNorm, fused q/k/v with neox
+// rotary, paged attention, o projection, SiLU-gated MLP) over every layer in one native call:
+// the same kernels the Python layers call (ops.h), in the same order and dtypes, so the result is
+// the Python path's bit for bit, without ~10 interpreter round trips per layer.
+//
+// A DecodeStack is built once per model (models/decode_stack.py) from each layer's norm weights,
+// its four linear layers -- each a list of row segments, every segment one of the weight forms
+// the Python layers multiply (pagedllm's packed float panels, quantized-GEMM panels, GGUF blocks
+// or a plain dense weight) -- and its KV cache planes. run() takes the embedded tokens and the
+// step's rotary rows and paged-attention metadata and returns the final-normed hidden states.
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+#include "tensor.h"
+
+namespace pagedllm {
+namespace stack {
+
+using at::Tensor;
+
+enum SegKind : int64_t { kPackedFloat = 0, kQuantPanels = 1, kGGUF = 2, kDense = 3 };
+
+// (kind, row_offset, rows, a, b, c, p0, p1): kPackedFloat a = packed panels; kQuantPanels a =
+// packed codes, b = scales, c = zeros, p0 = kind code, p1 = group size; kGGUF a = blocks, p0 =
+// ggml type; kDense a = weight [rows, K].
+using SegSpec = std::tuple<int64_t, int64_t, int64_t, Tensor, std::optional<Tensor>, std::optional<Tensor>, int64_t,
+                           int64_t>;
+
+struct Segment {
+  int64_t kind, row_offset, rows;
+  Tensor a;
+  std::optional<Tensor> b, c;
+  int64_t p0, p1;
+};
+
+// One layer's product as the Python layers compute it (layers/cpu_gemm.linear, qgemm's
+// _cpu_linear, quantization/gguf.gguf_linear): a single packed or dense segment takes the bias in
+// its kernel (float32) or in F.linear; GGUF blocks and several segments add it afterwards.
+struct Linear {
+  std::vector<Segment> segs;
+  int64_t out_features = 0;
+  std::optional<Tensor> bias, bias_f32;
+
+  Tensor segment(const Segment& s, const Tensor& x, const std::optional<Tensor>& b) const {
+    switch (s.kind) {
+      case kPackedFloat: return ops::packed_linear(x, s.a, s.rows, b);
+      case kQuantPanels: return ops::quant_linear(x, s.a, s.p0, *s.b, s.c, s.rows, s.p1, std::nullopt, b);
+      default: TORCH_CHECK(false, "decode stack: unknown segment kind ", s.kind);
+    }
+    return Tensor();
+  }
+
+  Tensor operator()(const Tensor& x) const {
+    if (segs.size() == 1 && segs[0].kind == kDense) return at::linear(x, segs[0].a, bias);
+    Tensor y;
+    if (segs.size() == 1 && segs[0].kind != kGGUF) {
+      y = segment(segs[0], x, bias_f32);
+      return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+    }
+    y = at::empty({x.size(0), out_features}, x.options());
+    for (const Segment& s : segs) {
+      Tensor part = y.narrow(1, s.row_offset, s.rows);
+      if (s.kind == kGGUF)
+        ops::gguf_linear(part, x, s.a, s.p0);
+      else if (s.kind == kDense)
+        part.copy_(at::linear(x, s.a));
+      else
+        part.copy_(segment(s, x, std::nullopt));
+    }
+    if (bias) y = y + bias->to(y.scalar_type());
+    return y;
+  }
+};
+
+Linear make_linear(const std::vector<SegSpec>& specs, int64_t out_features, std::optional<Tensor> bias) {
+  Linear l;
+  l.out_features = out_features;
+  l.bias = bias;
+  if (bias) l.bias_f32 = bias->to(at::kFloat).contiguous();
+  int64_t covered = 0;
+  for (const auto& [kind, off, rows, a, b, c, p0, p1] : specs) {
+    TORCH_CHECK(kind >= kPackedFloat && kind <= kDense, "decode stack: segment kind ", kind);
+    TORCH_CHECK(kind != kQuantPanels || b.has_value(), "decode stack: quantized panels need scales");
+    l.segs.push_back(Segment{kind, off, rows, a, b, c, p0, p1});
+    covered += rows;
+  }
+  TORCH_CHECK(covered == out_features, "decode stack: segments cover ", covered, " of ", out_features, " rows");
+  return l;
+}
+
+struct Layer {
+  Tensor in_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+  Tensor k_cache, v_cache;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double scale, int64_t sliding_window,
+              double eps, Tensor final_norm)
+      : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), scale_(scale), window_(sliding_window), eps_(eps),
+        final_norm_(final_norm) {}
+
+  void add_layer(Tensor in_norm, Tensor post_norm, std::vector<SegSpec> qkv, std::optional<Tensor> qkv_bias,
+                 std::vector<SegSpec> o, std::vector<SegSpec> gate_up, std::vector<SegSpec> down,
+                 int64_t intermediate, Tensor k_cache, Tensor v_cache) {
+    const int64_t hidden = in_norm.numel();
+    Layer l;
+    l.in_norm = in_norm;
+    l.post_norm = post_norm;
+    l.qkv = make_linear(qkv, (H_ + 2 * Hkv_) * D_, qkv_bias);
+    l.o = make_linear(o, hidden, std::nullopt);
+    l.gate_up = make_linear(gate_up, 2 * intermediate, std::nullopt);
+    l.down = make_linear(down, hidden, std::nullopt);
+    l.k_cache = k_cache;
+    l.v_cache = v_cache;
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // h [B, hidden] (the embedded tokens; consumed), cos/sin [B, D], one decode token per request.
+  Tensor run(Tensor h, Tensor cos, Tensor sin, Tensor block_table, Tensor seq_lens, Tensor slot_mapping) {
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode stack: h must be contiguous [B, hidden]");
+    const int64_t B = h.size(0);
+    TORCH_CHECK(cos.size(0) == B && sin.size(0) == B, "decode stack: one rotary row per token");
+    Tensor residual;
+    Tensor x = h;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      if (i == 0) {
+        residual = h;
+        x = at::empty_like(h);
+        ops::rms_norm(x, h, l.in_norm, eps_);
+      } else {
+        ops::fused_add_rms_norm(x, residual, l.in_norm, eps_);
+      }
+      Tensor qkv = l.qkv(x);  // [B, (H + 2 Hkv) D]
+      Tensor q = qkv.narrow(1, 0, H_ * D_).view({B, H_, D_});
+      Tensor k = qkv.narrow(1, H_ * D_, Hkv_ * D_).view({B, Hkv_, D_});
+      Tensor v = qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({B, Hkv_, D_});
+      ops::rotary_inplace(q, cos, sin);
+      ops::rotary_inplace(k, cos, sin);
+      ops::write_kv(l.k_cache, l.v_cache, k, v, slot_mapping);
+      Tensor attn = at::empty({B, H_, D_}, h.options());
+      ops::paged_decode_attention(attn, q, l.k_cache, l.v_cache, block_table, seq_lens, scale_, window_, 0.0,
+                                  std::nullopt, std::nullopt);
+      Tensor o = l.o(attn.view({B, H_ * D_}));
+      ops::fused_add_rms_norm(o, residual, l.post_norm, eps_);
+      Tensor gu = l.gate_up(o);
+      Tensor act = at::empty({B, gu.size(1) / 2}, h.options());
+      ops::silu_and_mul(act, gu);
+      x = l.down(act);
+    }
+    ops::fused_add_rms_norm(x, residual, final_norm_, eps_);
+    return x;
+  }
+
+ private:
+  int64_t H_, Hkv_, D_;
+  double scale_;
+  int64_t window_;
+  double eps_;
+  Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace stack
+
+namespace ops {
+
+void bind_decode_stack(pybind11::module_& m) {
+  namespace py = pybind11;
+  using pagedllm::stack::DecodeStack;
+  py::class_<DecodeStack>(m, "DecodeStack",
+                          "the steady decode step of a Llama-shaped decoder, every layer in one native call")
+      .def(py::init<int64_t, int64_t, int64_t, double, int64_t, double, at::Tensor>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("sliding_window"), py::arg("eps"),
+           py::arg("final_norm"))
+      .def("add_layer", &DecodeStack::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("qkv"),
+           py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("intermediate"),
+           py::arg("k_cache"), py::arg("v_cache"))
+      .def("run", &DecodeStack::run, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("block_table"),
+           py::arg("seq_lens"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+}
+
+}  // namespace ops
+}  // namespace pagedllm

@@ -1,0 +1,171 @@
+"""The steady decode step of a Llama-shaped model in one native call (kernels/csrc/decode_stack.cpp).
+
+A step whose every request decodes one token runs all decoder layers -- norms, fused q/k/v,
+rotary, KV write, paged attention, o projection, gated MLP, residuals -- and the final norm
+inside C++, on the same kernels and in the same order the Python layers use, so its hidden states
+are the Python path's bit for bit; the embedding, the LM head and sampling stay in Python (one
+call each per step). Prompt chunks, mixed steps and everything a native loop cannot see (LoRA
+wrappers, hooks, tensor or pipeline parallel ranks, an 8-bit KV cache, q/k norms, biases, soft
+caps, sliding windows, weights the kernels do not multiply) keep the Python layers: the stack is
+built only where every layer is one it runs exactly.
+
+``PAGEDLLM_NATIVE_DECODE=0`` turns it off (the Python layers always).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+
+from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+PACKED_FLOAT, QUANT_PANELS, GGUF_BLOCKS, DENSE = 0, 1, 2, 3
+
+
+class Unsupported(Exception):
+    """Why a model's decode step stays in the Python layers."""
+
+
+def enabled() -> bool:
+    return os.environ.get("PAGEDLLM_NATIVE_DECODE", "1") not in ("0", "false", "no", "off")
+
+
+def _plain(module, cls) -> None:
+    if type(module) is not cls or "forward" in module.__dict__ or module._forward_hooks or module._forward_pre_hooks:
+        raise Unsupported(f"{type(module).__name__} is wrapped or hooked")
+
+
+def _segments(module, kernels) -> list:
+    """(kind, row offset, rows, a, b, c, p0, p1) per row segment of a linear layer's weight."""
+    from pagedllm.quantization.gguf import GGUFWeight
+    from pagedllm.quantization.packed_qweight import PackedQuantizedWeight
+
+    if getattr(module, "bias", None) is not None:
+        raise Unsupported("a linear layer with a bias")
+    qm = module.quant_method
+    if qm is None:
+        w = module.weight
+        if hasattr(w, "panel_out_features"):
+            if w.panel_kernels is not kernels:
+                raise Unsupported("weights packed by another kernels build")
+            return [(PACKED_FLOAT, 0, int(w.panel_out_features), w, None, None, 0, 0)]
+        if w.is_mkldnn or w.device.type != "cpu":
+            raise Unsupported("a oneDNN-packed or non-CPU weight")
+        return [(DENSE, 0, int(w.shape[0]), w, None, None, 0, 0)]
+    qw = getattr(module, "quantized", None)
+    if isinstance(qw, GGUFWeight):
+        out = []
+        for s in qw.segments:
+            if s.panels is not None:
+                out.append(_panel_spec(s.panels, s.row_offset, s.rows, kernels))
+            else:
+                out.append((GGUF_BLOCKS, s.row_offset, s.rows, s.data, None, None, s.qtype, 0))
+        return out
+    from pagedllm.quantization.base import QuantMethod
+
+    # the base method's product (qgemm.quantized_linear) without static input quantization
+    if isinstance(qw, PackedQuantizedWeight) and type(qm).apply is QuantMethod.apply and getattr(
+            module, "static_input", None) is None:
+        return [_panel_spec(qw, 0, qw.out_features, kernels)]
+    raise Unsupported(f"weights of {type(qm).__name__}")
+
+
+def _panel_spec(pw, row_offset: int, rows: int, kernels) -> tuple:
+    if pw.kernels is not kernels or pw.act_quant is not None or pw.input_perm is not None or pw.int8_activations:
+        raise Unsupported("quantized panels with activation quantization or act-order")
+    return (QUANT_PANELS, row_offset, rows, pw.packed, pw.scales, pw.zeros, pw.kind_code, pw.group_size)
+
+
+def build(inner) -> Optional[tuple]:
+    """(the LlamaModel's DecodeStack, its KV caches' addresses), or None (logged once) where its
+    decode step stays in Python."""
+    kernels = cpu_kernels.ready()
+    if kernels is None or not hasattr(kernels, "DecodeStack") or not enabled():
+        return None
+    try:
+        return _build(inner, kernels)
+    except Unsupported as e:
+        logger.info("native decode step: off (%s)", e)
+        return None
+
+
+def _build(inner, kernels):
+    from pagedllm.layers.activation import SiluAndMul
+    from pagedllm.layers.norm import RMSNorm
+    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+
+    if not (inner.is_first and inner.is_last):
+        raise Unsupported("a pipeline stage")
+    if type(inner.norm) is not RMSNorm:
+        raise Unsupported("a final norm other than RMSNorm")
+    layers = inner.layers[inner.start:inner.end]
+    first = layers[0].self_attn
+    stack = None
+    for layer in layers:
+        _plain(layer, LlamaDecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        _plain(attn, LlamaAttention)
+        _plain(mlp, LlamaMLP)
+        if type(mlp.act) is not SiluAndMul:
+            raise Unsupported("an activation other than SiLU-and-mul")
+        if attn.q_norm is not None:
+            raise Unsupported("q/k norms")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _plain(norm, RMSNorm)
+            if norm.eps != inner.norm.eps:
+                raise Unsupported("norms with different eps")
+        a = attn.attn
+        if a.kv_cache is None or a.kv_cache.device.type != "cpu" or a.kv_scales is not None:
+            raise Unsupported("an 8-bit or unbound KV cache")
+        if a.sliding_window or a.logits_soft_cap or a.alibi_slopes is not None or a.head_dim % 8:
+            raise Unsupported("a sliding window, soft cap, ALiBi or head size not a multiple of 8")
+        if attn.qkv_proj.tp_size != 1 or mlp.down_proj.tp.world_size != 1:
+            raise Unsupported("tensor parallel ranks")
+        for m, cls in ((attn.qkv_proj, QKVParallelLinear), (attn.o_proj, RowParallelLinear),
+                       (mlp.gate_up_proj, ColumnParallelLinear), (mlp.down_proj, RowParallelLinear)):
+            _plain(m, cls)
+        if stack is None:
+            stack = kernels.DecodeStack(a.num_heads, a.num_kv_heads, a.head_dim, float(a.scale), 0,
+                                        float(inner.norm.eps), inner.norm.weight)
+        inter = mlp.down_proj.weight.shape[1] if mlp.down_proj.quant_method is None and not hasattr(
+            mlp.down_proj.weight, "panel_out_features") else None
+        gate_up = _segments(mlp.gate_up_proj, kernels)
+        intermediate = sum(s[2] for s in gate_up) // 2
+        if inter is not None and inter != intermediate:
+            raise Unsupported("gate/up and down sizes disagree")
+        stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                        _segments(attn.qkv_proj, kernels), None, _segments(attn.o_proj, kernels), gate_up,
+                        _segments(mlp.down_proj, kernels), intermediate, a.kv_cache[0], a.kv_cache[1])
+    stack_caches = tuple(layer.self_attn.attn.kv_cache.data_ptr() for layer in layers)
+    logger.info("native decode step: on (%d layers, %d heads / %d kv heads)", stack.num_layers,
+                first.attn.num_heads, first.attn.num_kv_heads)
+    return stack, stack_caches
+
+
+def decode_step(inner, h: torch.Tensor, rope, md) -> Optional[torch.Tensor]:
+    """The final-normed hidden states of a decode-only step of ``inner`` (a LlamaModel) through
+    the native stack, or None where this step (or model) takes the Python layers. ``h``: the
+    embedded tokens; ``rope``: the step's (cos, sin) rows."""
+    if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs or h.shape[0] != md.num_actual_tokens:
+        return None
+    if h.device.type != "cpu" or not h.is_contiguous():
+        return None
+    state = inner.__dict__.get("_decode_stack", False)
+    if state is not None and state is not False:
+        stack, caches = state
+        layers = inner.layers[inner.start:inner.end]
+        if caches != tuple(layer.self_attn.attn.kv_cache.data_ptr() for layer in layers):
+            state = False  # the KV cache was reallocated: build again
+    if state is False:
+        state = inner.__dict__["_decode_stack"] = build(inner)
+    if state is None:
+        return None
+    stack, _ = state
+    cos, sin = rope
+    T = h.shape[0]
+    return stack.run(h, cos.reshape(T, -1), sin.reshape(T, -1), md.block_table, md.seq_lens, md.slot_mapping)
