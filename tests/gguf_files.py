@@ -137,7 +137,7 @@ def write_gguf(path: str, weight_type: str = "Q4_0", *, embed_type: str = "Q8_0"
     rng = np.random.default_rng(seed)
     tokens, merges = _tokenizer()
     vocab = len(tokens)
-    head_dim = HIDDEN // HEADS
+    head_dim = 128 if arch == "qwen3" else HIDDEN // HEADS  # transformers reads no head size for qwen3: 128
     w = gguf.GGUFWriter(path + ".tmp", arch)
     w.add_name(name)
     w.add_context_length(1024)
@@ -149,6 +149,8 @@ def write_gguf(path: str, weight_type: str = "Q4_0", *, embed_type: str = "Q8_0"
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
@@ -175,9 +177,16 @@ def write_gguf(path: str, weight_type: str = "Q4_0", *, embed_type: str = "Q8_0"
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", 1.0 + normal(HIDDEN, std=0.1))
-        add(p + "attn_q.weight", _permute(normal(HEADS * head_dim, HIDDEN), HEADS), weight_type, 0.2)
-        add(p + "attn_k.weight", _permute(normal(KV_HEADS * head_dim, HIDDEN), KV_HEADS), weight_type, 0.2)
+        permute = _permute if arch == "llama" else (lambda w, n: w)  # only llama.cpp's llama converter permutes
+        add(p + "attn_q.weight", permute(normal(HEADS * head_dim, HIDDEN), HEADS), weight_type, 0.2)
+        add(p + "attn_k.weight", permute(normal(KV_HEADS * head_dim, HIDDEN), KV_HEADS), weight_type, 0.2)
         add(p + "attn_v.weight", normal(KV_HEADS * head_dim, HIDDEN), weight_type, 0.2)
+        if arch == "qwen2":  # q/k/v biases
+            for t, rows in (("attn_q", HEADS), ("attn_k", KV_HEADS), ("attn_v", KV_HEADS)):
+                w.add_tensor(p + t + ".bias", normal(rows * head_dim, std=0.1))
+        if arch == "qwen3":  # per-head q/k RMSNorms
+            w.add_tensor(p + "attn_q_norm.weight", 1.0 + normal(head_dim, std=0.1))
+            w.add_tensor(p + "attn_k_norm.weight", 1.0 + normal(head_dim, std=0.1))
         add(p + "attn_output.weight", normal(HIDDEN, HEADS * head_dim), weight_type, 0.2)
         w.add_tensor(p + "ffn_norm.weight", 1.0 + normal(HIDDEN, std=0.1))
         add(p + "ffn_gate.weight", normal(INTERMEDIATE, HIDDEN), weight_type, 0.2)

@@ -32,22 +32,17 @@ import torch
 
 from pagedllm import envs
 
-# general.architecture -> (our model class, transformers' tensor processor key)
+# general.architecture -> our model class. Only families whose GGUF layout is tested here against
+# HF's load of the same file (tests/models/test_gguf.py); others are refused with this list.
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
+    "mistral": "MistralForCausalLM",  # llama.cpp writes Mistral models as "llama" (general.name says which)
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "starcoder2": "Starcoder2ForCausalLM",
 }
 # q/k rows permuted by llama.cpp's converter (its rotary pairs adjacent dims; HF's halves)
 _PERMUTED_QK = ("llama", "mistral")
-# the norm weights llama.cpp stores as 1 + w (Gemma's (1 + w) RMSNorm, written out)
-_NORM_PLUS_ONE = ("gemma2", "gemma3")
-_CONVERTER_VERSION = "2"
+_CONVERTER_VERSION = "3"
 TENSOR_MAP = "gguf_tensor_map.json"  # in the metadata folder: GGUF tensor name -> HF name
 
 
@@ -144,6 +139,8 @@ def metadata_dir(path: str) -> str:
 def _convert_metadata(file: str, out: str) -> None:
     reader = _reader(file)
     arch = architecture(reader, file)
+    gguf_arch = _field(reader, "general.architecture")
+    head_dim = _field(reader, f"{gguf_arch}.attention.key_length")  # transformers skips it for some families
     del reader
     folder, name = os.path.split(file)
     from transformers import AutoConfig, AutoTokenizer
@@ -153,6 +150,8 @@ def _convert_metadata(file: str, out: str) -> None:
     except Exception as e:
         raise ValueError(f"GGUF file {file!r}: its metadata does not map to a model config: {e}") from None
     config = hf.to_dict()
+    if head_dim:
+        config["head_dim"] = int(head_dim)
     config["architectures"] = [GGUF_ARCHITECTURES[arch]]
     config["gguf_architecture"] = arch
     config.pop("_name_or_path", None)
@@ -186,7 +185,7 @@ class GGUFTensorSource:
     blocks as uint8 ``[rows, row_bytes]``; ``full()`` dequantizes (float tensors and the few
     places that need floats: norms, biases, layers kept dense)."""
 
-    def __init__(self, name: str, data: np.ndarray, qtype: int, shape: tuple, row_perm=None, add: float = 0.0) -> None:
+    def __init__(self, name: str, data: np.ndarray, qtype: int, shape: tuple, row_perm=None) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.name = name
@@ -197,7 +196,6 @@ class GGUFTensorSource:
         self._data = data  # the file's memory map: [rows, row_bytes] uint8, or the float array itself
         self._rows = row_perm  # a row index array (undoing a permutation / selecting a slice) or None
         self._cols = (0, shape[-1]) if len(shape) == 2 else None
-        self._add = add
 
     @property
     def quantized(self) -> bool:
@@ -247,8 +245,7 @@ class GGUFTensorSource:
             from gguf.quants import dequantize
 
             arr = dequantize(raw, self.qtype)
-        out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(self.shape)
-        return out + self._add if self._add else out
+        return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(self.shape)
 
 
 def _reverse_permute_rows(n_rows: int, n_head: int) -> np.ndarray:
@@ -389,8 +386,7 @@ def gguf_weights(path: str, hf_config) -> Iterator[tuple[str, GGUFTensorSource]]
         rows = None
         if arch in _PERMUTED_QK and (".attn_q." in t.name or ".attn_k." in t.name) and len(t.shape) == 2:
             rows = _reverse_permute_rows(t.shape[0], heads if ".attn_q." in t.name else kv_heads)
-        add = -1.0 if arch in _NORM_PLUS_ONE and t.name.endswith("norm.weight") else 0.0
-        yield hf_name, GGUFTensorSource(t.name, data, t.qtype, t.shape, rows, add)
+        yield hf_name, GGUFTensorSource(t.name, data, t.qtype, t.shape, rows)
 
 
 def gguf_quantization(path: str, hf_config, requested: Optional[str]):

@@ -240,15 +240,24 @@ def install_gguf(layer: nn.Module, gw: GGUFWeight) -> None:
 def pack_vocab_table(module: nn.Module, where: str) -> None:
     """A (vocab-parallel) embedding or LM head whose table the file stores quantized: its weight
     becomes a loader that keeps this rank's rows packed (``module.packed``, a GGUFWeight; rows
-    past the vocabulary on the last rank are zero blocks, which dequantize to 0)."""
+    past the vocabulary on the last rank are zero blocks, which dequantize to 0). On a GPU the
+    rows are dequantized once at load instead, into the usual dense table."""
     hidden = module.weight.shape[1]
     dtype = torch.get_default_dtype()  # called where the model is built: its dtype
+    device = torch.empty(0).device
 
     def load(param, src, shard_id=None) -> None:
         if src.shape[0] < module.vocab_size or src.shape[1] != hidden:
             raise ValueError(f"{where}: GGUF table {tuple(src.shape)} does not match vocab {module.vocab_size} x "
                              f"{hidden}")
         piece = src.narrow(0, module.start, module.end - module.start)
+        if device.type != "cpu":
+            dense = torch.zeros(module.per_rank, hidden, dtype=dtype, device=device)
+            dense[:piece.shape[0]] = piece.full().to(device=device, dtype=dtype)
+            module.weight = nn.Parameter(dense, requires_grad=False)
+            module.weight.weight_loader = load  # type: ignore[attr-defined]
+            module.packed = None
+            return
         seg = _segment(piece, 0, where)
         data = seg.data
         if data.shape[0] < module.per_rank:

@@ -69,6 +69,13 @@ def test_block_size_1_chunked_prefill_prefix_caching(gguf_dir, weight_type, kw):
     assert_greedy_agrees(outs, reference(path), min_compared=0.9)
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_architectures(gguf_dir, arch):
+    path = write_gguf(str(gguf_dir / f"tiny-{arch}.gguf"), "Q8_0", arch=arch)
+    _, outs = generate(path, block_size=16)
+    assert_greedy_agrees(outs, reference(path), min_compared=0.9)
+
+
 def test_q4_k_m_mix_keeps_a_segment_per_type(gguf_dir):
     path = model_file(gguf_dir, "Q4_K", types=Q4_K_M)
     llm, outs = generate(path, block_size=16)
