@@ -120,6 +120,9 @@ def resolve_quantization(model_dir: str, requested: Optional[str]) -> Optional[Q
     want = _normalise(requested) if requested else None
     if want is not None and want not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization {requested!r} is not supported; supported: {SUPPORTED_FORMATS}")
+    if want == "gguf":  # the quantization of GGUF files (models/gguf.py), which never come here
+        raise ValueError(f"quantization='gguf' is for GGUF files; {model_dir} is a checkpoint folder (leave "
+                         "quantization unset, or pass the .gguf file as the model)")
     if detected is None:
         if want is None:
             return None
@@ -127,7 +130,7 @@ def resolve_quantization(model_dir: str, requested: Optional[str]) -> Optional[Q
             raise ValueError(f"quantization={requested!r} was requested but {model_dir} has no quantization_config "
                              f"in config.json (an unquantized checkpoint can be quantized at load with int8 or fp8)")
         return QuantizationConfig(want)
-    if detected not in QUANTIZATION_METHODS or detected in ("int8",):
+    if detected not in QUANTIZATION_METHODS or detected in ("int8", "gguf"):
         raise ValueError(f"the checkpoint is quantized with {detected!r}, which pagedllm does not support; "
                          f"supported: {SUPPORTED_FORMATS}")
     if want is not None and want != detected:

@@ -189,3 +189,21 @@ def test_server_with_tensor_parallel_size_2(make_ckpt):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
+
+
+def test_tp2_gguf_shards_the_packed_rows(tmp_path):
+    """A GGUF file's blocks are split between the ranks as they are (q/k/v and gate/up by rows,
+    o and down by whole blocks of columns): TP=2 gives TP=1's tokens with about half the packed
+    weights per rank; a split that would cut a k-quant block of 256 is refused naming the tensor."""
+    pytest.importorskip("gguf")
+    from gguf_files import write_gguf
+
+    path = write_gguf(str(tmp_path / "tp-q4_0.gguf"), "Q4_0")
+    prompts = [[5, 17, 33, 250, 100, 7], list(range(40, 90))]
+    one, _, w1 = greedy(path, 1, prompts)
+    two, _, w2 = greedy(path, 2, prompts)
+    assert two == one
+    assert max(w2) < 0.75 * w1[0]
+    kq = write_gguf(str(tmp_path / "tp-q4_k.gguf"), "Q4_K")
+    with pytest.raises(Exception, match="split a block of 256"):
+        greedy(kq, 2, prompts)
