@@ -82,7 +82,7 @@ def _panel_spec(pw, row_offset: int, rows: int, kernels) -> tuple:
 
 
 def build(inner) -> Optional[tuple]:
-    """(the LlamaModel's DecodeStack, its KV caches' addresses), or None (logged once) where its
+    """(the LlamaModel's DecodeStack, its first layer's KV cache tensor), or None (logged once) where its
     decode step stays in Python."""
     kernels = cpu_kernels.ready()
     if kernels is None or not hasattr(kernels, "DecodeStack") or not enabled():
@@ -141,10 +141,9 @@ def _build(inner, kernels):
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         _segments(attn.qkv_proj, kernels), None, _segments(attn.o_proj, kernels), gate_up,
                         _segments(mlp.down_proj, kernels), intermediate, a.kv_cache[0], a.kv_cache[1])
-    stack_caches = tuple(layer.self_attn.attn.kv_cache.data_ptr() for layer in layers)
     logger.info("native decode step: on (%d layers, %d heads / %d kv heads)", stack.num_layers,
                 first.attn.num_heads, first.attn.num_kv_heads)
-    return stack, stack_caches
+    return stack, layers[0].self_attn.attn.kv_cache
 
 
 def decode_step(inner, h: torch.Tensor, rope, md) -> Optional[torch.Tensor]:
@@ -157,10 +156,9 @@ def decode_step(inner, h: torch.Tensor, rope, md) -> Optional[torch.Tensor]:
         return None
     state = inner.__dict__.get("_decode_stack", False)
     if state is not None and state is not False:
-        stack, caches = state
-        layers = inner.layers[inner.start:inner.end]
-        if caches != tuple(layer.self_attn.attn.kv_cache.data_ptr() for layer in layers):
-            state = False  # the KV cache was reallocated: build again
+        # the KV cache reallocated (the worker rebinds every layer at once): build again
+        if state[1] is not inner.layers[inner.start].self_attn.attn.kv_cache:
+            state = False
     if state is False:
         state = inner.__dict__["_decode_stack"] = build(inner)
     if state is None:
