@@ -15,7 +15,10 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <chrono>
+#include <map>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -128,6 +131,13 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Seconds spent per phase of run() since profiling was switched on (off: empty, no clock reads).
+  void set_profiling(bool on) {
+    profiling_ = on;
+    phases_.clear();
+  }
+  std::map<std::string, double> phases() const { return phases_; }
+
   // h [B, hidden] (the embedded tokens; consumed), cos/sin [B, D], one decode token per request.
   Tensor run(Tensor h, Tensor cos, Tensor sin, Tensor block_table, Tensor seq_lens, Tensor slot_mapping) {
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode stack: h must be contiguous [B, hidden]");
@@ -135,6 +145,13 @@ class DecodeStack {
     TORCH_CHECK(cos.size(0) == B && sin.size(0) == B, "decode stack: one rotary row per token");
     Tensor residual;
     Tensor x = h;
+    auto t = std::chrono::steady_clock::now();
+    const auto mark = [&](const char* phase) {
+      if (!profiling_) return;
+      const auto now = std::chrono::steady_clock::now();
+      phases_[phase] += std::chrono::duration<double>(now - t).count();
+      t = now;
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       if (i == 0) {
@@ -144,24 +161,34 @@ class DecodeStack {
       } else {
         ops::fused_add_rms_norm(x, residual, l.in_norm, eps_);
       }
+      mark("norm");
       Tensor qkv = l.qkv(x);  // [B, (H + 2 Hkv) D]
+      mark("qkv");
       Tensor q = qkv.narrow(1, 0, H_ * D_).view({B, H_, D_});
       Tensor k = qkv.narrow(1, H_ * D_, Hkv_ * D_).view({B, Hkv_, D_});
       Tensor v = qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({B, Hkv_, D_});
       ops::rotary_inplace(q, cos, sin);
       ops::rotary_inplace(k, cos, sin);
+      mark("rotary");
       ops::write_kv(l.k_cache, l.v_cache, k, v, slot_mapping);
       Tensor attn = at::empty({B, H_, D_}, h.options());
       ops::paged_decode_attention(attn, q, l.k_cache, l.v_cache, block_table, seq_lens, scale_, window_, 0.0,
                                   std::nullopt, std::nullopt);
+      mark("attention");
       Tensor o = l.o(attn.view({B, H_ * D_}));
+      mark("o");
       ops::fused_add_rms_norm(o, residual, l.post_norm, eps_);
+      mark("norm");
       Tensor gu = l.gate_up(o);
+      mark("gate_up");
       Tensor act = at::empty({B, gu.size(1) / 2}, h.options());
       ops::silu_and_mul(act, gu);
+      mark("silu");
       x = l.down(act);
+      mark("down");
     }
     ops::fused_add_rms_norm(x, residual, final_norm_, eps_);
+    mark("norm");
     return x;
   }
 
@@ -172,6 +199,8 @@ class DecodeStack {
   double eps_;
   Tensor final_norm_;
   std::vector<Layer> layers_;
+  bool profiling_ = false;
+  std::map<std::string, double> phases_;
 };
 
 }  // namespace stack
@@ -191,7 +220,10 @@ void bind_decode_stack(pybind11::module_& m) {
            py::arg("k_cache"), py::arg("v_cache"))
       .def("run", &DecodeStack::run, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("block_table"),
            py::arg("seq_lens"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("num_layers", &DecodeStack::num_layers);
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("set_profiling", &DecodeStack::set_profiling, py::arg("on"),
+           "time run()'s phases (norm, qkv, rotary, attention, o, gate_up, silu, down) from now on")
+      .def("phases", &DecodeStack::phases, "seconds per phase since set_profiling(True)");
 }
 
 }  // namespace ops
