@@ -126,6 +126,8 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": ignore it; or a directory
     # CPU settings (defaults may be overridden by the variables listed in envs.py).
     cpu_kernels: bool = field(default_factory=envs.cpu_kernels_enabled)
+    # a decode-only step of a Llama-shaped model: every layer in one native call (models/decode_stack.py)
+    native_decode: bool = field(default_factory=envs.native_decode)
     kernel_cache_dir: str = field(default_factory=envs.kernel_cache_dir)
     cpu_keep_freed_memory: bool = field(default_factory=envs.cpu_keep_freed_memory)
     cpu_kv_cache_prefault: bool = False  # fault the KV cache's pages in at start-up, not at first write (worker/cpu_memory.py)

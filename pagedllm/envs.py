@@ -13,6 +13,7 @@ API key, which operators prefer to keep out of process listings.
 | PAGEDLLM_CPU_THREADS_BIND=...     | EngineConfig.cpu_threads_bind       |
 | PAGEDLLM_CPU_THREADS_ADAPT=0      | EngineConfig.cpu_threads_adapt (-> False) |
 | PAGEDLLM_CPU_GEMM=auto|pagedllm|onednn | EngineConfig.cpu_gemm          |
+| PAGEDLLM_NATIVE_DECODE=0          | EngineConfig.native_decode (-> False) |
 | PAGEDLLM_API_KEY                  | ``pagedllm serve --api-key``        |
 | CXX                               | the CPU kernels' compiler (c++)     |
 | LOCAL_WORLD_SIZE (set by torchrun) | ranks sharing this host's memory    |
@@ -42,6 +43,10 @@ def kernel_cache_dir() -> str:
 
 def cpu_kernels_enabled() -> bool:
     return _get("PAGEDLLM_DISABLE_CPU_KERNELS") != "1"
+
+
+def native_decode() -> bool:
+    return _get("PAGEDLLM_NATIVE_DECODE") not in ("0", "false", "no", "off")
 
 
 def cxx() -> str:

@@ -62,6 +62,8 @@ _HELP = {
                          "generation_config.json), vllm (ignore it), or a directory holding a generation_config.json",
     "cpu_kernels": "use pagedllm's C++ CPU kernels (built for this CPU on first use; env PAGEDLLM_DISABLE_CPU_KERNELS=1 "
                    "turns the default off); --no-cpu-kernels runs the pure-torch paths",
+    "native_decode": "run a decode-only step of a Llama-shaped model with every layer in one native call, on the "
+                     "same kernels (identical outputs); env PAGEDLLM_NATIVE_DECODE=0 turns the default off",
     "cpu_gemm": "CPU linear layers per weight shape: auto (pagedllm's packed GEMM or oneDNN's, whichever this CPU "
                 "runs faster, timed at start-up and cached per CPU), pagedllm, or onednn; env PAGEDLLM_CPU_GEMM",
     "kernel_cache_dir": "where built CPU kernels are cached (default: $PAGEDLLM_CACHE_DIR/kernels or ~/.cache/pagedllm/kernels)",

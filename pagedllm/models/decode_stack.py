@@ -9,12 +9,12 @@ wrappers, hooks, tensor or pipeline parallel ranks, an 8-bit KV cache, q/k norms
 caps, sliding windows, weights the kernels do not multiply) keep the Python layers: the stack is
 built only where every layer is one it runs exactly.
 
-``PAGEDLLM_NATIVE_DECODE=0`` turns it off (the Python layers always).
+``EngineConfig.native_decode`` (``--no-native-decode``, ``PAGEDLLM_NATIVE_DECODE=0``) False keeps the
+Python layers always: the worker calls :func:`configure` once the model is ready.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -31,8 +31,12 @@ class Unsupported(Exception):
     """Why a model's decode step stays in the Python layers."""
 
 
-def enabled() -> bool:
-    return os.environ.get("PAGEDLLM_NATIVE_DECODE", "1") not in ("0", "false", "no", "off")
+def configure(model, enabled: bool) -> None:
+    """The worker's switch, once the model is ready: a LlamaModel whose decode step must stay in
+    the Python layers is marked so (its stack is then never built)."""
+    inner = getattr(model, "model", None)
+    if not enabled and inner is not None and hasattr(inner, "layers"):
+        inner.__dict__["_decode_stack"] = None
 
 
 def _plain(module, cls) -> None:
@@ -85,7 +89,7 @@ def build(inner) -> Optional[tuple]:
     """(the LlamaModel's DecodeStack, its first layer's KV cache tensor), or None (logged once) where its
     decode step stays in Python."""
     kernels = cpu_kernels.ready()
-    if kernels is None or not hasattr(kernels, "DecodeStack") or not enabled():
+    if kernels is None or not hasattr(kernels, "DecodeStack"):
         return None
     try:
         return _build(inner, kernels)

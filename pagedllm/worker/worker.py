@@ -12,6 +12,7 @@ from pagedllm.attention.kv_quant import KVQuant, SCALE_DTYPE, kv_quant
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig, fit_max_model_len
 from pagedllm.heap import collect_and_trim
+from pagedllm.models import decode_stack
 from pagedllm.models.loader import load_weights
 from pagedllm.layers.linear import linear_weights_on_meta
 from pagedllm.models.gguf import find_gguf_file, gguf_quantization, gguf_weights
@@ -160,6 +161,7 @@ class Worker:
         finish_quantized_layers(self.model)
         self.model.eval()
         self.cpu_description = self.platform.prepare_model(self.model, self.dtype, config, self.cpu_threads)
+        decode_stack.configure(self.model, config.native_decode)
         collect_and_trim()  # the loader's temporaries (file copies, repacking) handed back: RSS is the weights
         self.lora = None  # LoRA: the model's projections wrapped with adapter slots (after packing)
         if config.enable_lora:

@@ -24,9 +24,8 @@ def prompts():
 
 
 def run(path, native: bool, monkeypatch, **kw):
-    monkeypatch.setenv("PAGEDLLM_NATIVE_DECODE", "1" if native else "0")
     kw.setdefault("kv_cache_memory", 8 << 20)
-    llm = LLM(model=path, **kw)
+    llm = LLM(model=path, native_decode=native, **kw)
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompt_token_ids=prompts(), sampling_params=sp, use_tqdm=False)
     inner = llm.engine.core.executor.worker.model.model
@@ -55,6 +54,13 @@ def test_gguf_native_equals_python(gguf_dir, monkeypatch, weight_type, types, bl
     python, off = run(path, False, monkeypatch, dtype="float32", block_size=block_size)
     assert off is None
     assert_same(native, python)
+
+
+def test_env_switch(gguf_dir, monkeypatch):
+    path = write_gguf(str(gguf_dir / "Q4_0-False.gguf"), "Q4_0")
+    monkeypatch.setenv("PAGEDLLM_NATIVE_DECODE", "0")
+    llm = LLM(model=path, dtype="float32", kv_cache_memory=8 << 20)
+    assert llm.engine.config.native_decode is False
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
