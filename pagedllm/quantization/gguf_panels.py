@@ -136,12 +136,12 @@ def panel_rows(pw: PackedQuantizedWeight, rows: torch.Tensor) -> torch.Tensor:
     lookups from a table the tied head multiplies)."""
     p, j = rows // PANEL, rows % PANEL
     codes = pw.packed[p, :, j]  # [R, K] int8 bytes, or [R, K / 2] int4 pairs
+    n, g = rows.shape[0], pw.group_size
     if pw.kind == "int4":
-        q = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(rows.shape[0], -1).float()
-        default = 8.0
+        q = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(n, -1, g).float()
+        q = q - (8.0 if pw.zeros is None else pw.zeros[p, :, j].unsqueeze(-1))
     else:
-        q = codes.view(torch.int8).float()
-        default = 0.0
-    s = pw.scales[p, :, j].repeat_interleave(pw.group_size, dim=1)
-    z = default if pw.zeros is None else pw.zeros[p, :, j].repeat_interleave(pw.group_size, dim=1)
-    return (q - z) * s
+        q = codes.view(torch.int8).reshape(n, -1, g).float()
+        if pw.zeros is not None:
+            q = q - pw.zeros[p, :, j].unsqueeze(-1)
+    return (q * pw.scales[p, :, j].unsqueeze(-1)).reshape(n, -1)
