@@ -85,24 +85,24 @@ def _panel_spec(pw, row_offset: int, rows: int, kernels) -> tuple:
     return (QUANT_PANELS, row_offset, rows, pw.packed, pw.scales, pw.zeros, pw.kind_code, pw.group_size)
 
 
-def build(inner) -> Optional[tuple]:
+def build(inner, kinds: tuple) -> Optional[tuple]:
     """(the LlamaModel's DecodeStack, its first layer's KV cache tensor), or None (logged once) where its
-    decode step stays in Python."""
+    decode step stays in Python. ``kinds``: the model's (decoder layer, attention, MLP) classes."""
     kernels = cpu_kernels.ready()
     if kernels is None or not hasattr(kernels, "DecodeStack"):
         return None
     try:
-        return _build(inner, kernels)
+        return _build(inner, kernels, kinds)
     except Unsupported as e:
         logger.info("native decode step: off (%s)", e)
         return None
 
 
-def _build(inner, kernels):
+def _build(inner, kernels, kinds: tuple):
     from pagedllm.layers.activation import SiluAndMul
     from pagedllm.layers.norm import RMSNorm
-    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 
+    LlamaDecoderLayer, LlamaAttention, LlamaMLP = kinds
     if not (inner.is_first and inner.is_last):
         raise Unsupported("a pipeline stage")
     if type(inner.norm) is not RMSNorm:
@@ -128,11 +128,11 @@ def _build(inner, kernels):
             raise Unsupported("an 8-bit or unbound KV cache")
         if a.sliding_window or a.logits_soft_cap or a.alibi_slopes is not None or a.head_dim % 8:
             raise Unsupported("a sliding window, soft cap, ALiBi or head size not a multiple of 8")
-        if attn.qkv_proj.tp_size != 1 or mlp.down_proj.tp.world_size != 1:
-            raise Unsupported("tensor parallel ranks")
         for m, cls in ((attn.qkv_proj, QKVParallelLinear), (attn.o_proj, RowParallelLinear),
                        (mlp.gate_up_proj, ColumnParallelLinear), (mlp.down_proj, RowParallelLinear)):
-            _plain(m, cls)
+            _plain(m, cls)  # LoRA's wrappers, hooks: the Python layers
+        if attn.qkv_proj.tp_size != 1 or mlp.down_proj.tp.world_size != 1:
+            raise Unsupported("tensor parallel ranks")
         if stack is None:
             stack = kernels.DecodeStack(a.num_heads, a.num_kv_heads, a.head_dim, float(a.scale), 0,
                                         float(inner.norm.eps), inner.norm.weight)
@@ -150,10 +150,10 @@ def _build(inner, kernels):
     return stack, layers[0].self_attn.attn.kv_cache
 
 
-def decode_step(inner, h: torch.Tensor, rope, md) -> Optional[torch.Tensor]:
+def decode_step(inner, h: torch.Tensor, rope, md, kinds: tuple) -> Optional[torch.Tensor]:
     """The final-normed hidden states of a decode-only step of ``inner`` (a LlamaModel) through
     the native stack, or None where this step (or model) takes the Python layers. ``h``: the
-    embedded tokens; ``rope``: the step's (cos, sin) rows."""
+    embedded tokens; ``rope``: the step's (cos, sin) rows; ``kinds``: as for :func:`build`."""
     if md.max_query_len != 1 or md.num_actual_tokens != md.num_reqs or h.shape[0] != md.num_actual_tokens:
         return None
     if h.device.type != "cpu" or not h.is_contiguous():
@@ -164,7 +164,7 @@ def decode_step(inner, h: torch.Tensor, rope, md) -> Optional[torch.Tensor]:
         if state[1] is not inner.layers[inner.start].self_attn.attn.kv_cache:
             state = False
     if state is False:
-        state = inner.__dict__["_decode_stack"] = build(inner)
+        state = inner.__dict__["_decode_stack"] = build(inner, kinds)
     if state is None:
         return None
     stack, _ = state

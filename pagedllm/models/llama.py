@@ -140,7 +140,7 @@ class LlamaModel(nn.Module):
             h, residual = intermediate
         rope = self.rotary.cos_sin(positions, h.dtype)
         if self.is_first and self.is_last and inputs_embeds is None:  # a decode-only step: every layer natively
-            out = decode_stack.decode_step(self, h, rope, get_attention_metadata())
+            out = decode_stack.decode_step(self, h, rope, get_attention_metadata(), _NATIVE_KINDS)
             if out is not None:
                 return out
         for layer in self.layers[self.start : self.end]:
@@ -148,6 +148,10 @@ class LlamaModel(nn.Module):
         if not self.is_last:
             return [h, residual]
         return self.norm(h, residual)[0]
+
+
+# what a native decode step (models/decode_stack.py) runs exactly: these classes, not subclasses
+_NATIVE_KINDS = (LlamaDecoderLayer, LlamaAttention, LlamaMLP)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -210,7 +210,8 @@ namespace ops {
 void bind_decode_stack(pybind11::module_& m) {
   namespace py = pybind11;
   using pagedllm::stack::DecodeStack;
-  py::class_<DecodeStack>(m, "DecodeStack",
+  // module_local: every ISA level's build is its own extension module, and a process may load several
+  py::class_<DecodeStack>(m, "DecodeStack", py::module_local(),
                           "the steady decode step of a Llama-shaped decoder, every layer in one native call")
       .def(py::init<int64_t, int64_t, int64_t, double, int64_t, double, at::Tensor>(), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("scale"), py::arg("sliding_window"), py::arg("eps"),
