@@ -67,7 +67,6 @@ def random_ids(n: int, seed: int, vocab: int = 49152) -> list:
 # ---- the children (one engine each; only the standard library is imported at the top) ----
 
 def child_pagedllm(args) -> dict:
-    base = rss_mib()
     from pagedllm import LLM, SamplingParams
 
     imported = rss_mib()
@@ -98,7 +97,6 @@ def child_pagedllm(args) -> dict:
 
 
 def child_hf(args) -> dict:
-    base = rss_mib()
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -124,7 +122,6 @@ def child_hf(args) -> dict:
 
 
 def child_llamacpp(args) -> dict:
-    base = rss_mib()
     from llama_cpp import Llama
 
     imported = rss_mib()

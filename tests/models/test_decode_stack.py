@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf_files import write_gguf  # noqa: E402
