@@ -108,7 +108,6 @@ def _build(inner, kernels, kinds: tuple):
     if type(inner.norm) is not RMSNorm:
         raise Unsupported("a final norm other than RMSNorm")
     layers = inner.layers[inner.start:inner.end]
-    first = layers[0].self_attn
     stack = None
     for layer in layers:
         _plain(layer, LlamaDecoderLayer)
@@ -136,17 +135,13 @@ def _build(inner, kernels, kinds: tuple):
         if stack is None:
             stack = kernels.DecodeStack(a.num_heads, a.num_kv_heads, a.head_dim, float(a.scale), 0,
                                         float(inner.norm.eps), inner.norm.weight)
-        inter = mlp.down_proj.weight.shape[1] if mlp.down_proj.quant_method is None and not hasattr(
-            mlp.down_proj.weight, "panel_out_features") else None
         gate_up = _segments(mlp.gate_up_proj, kernels)
         intermediate = sum(s[2] for s in gate_up) // 2
-        if inter is not None and inter != intermediate:
-            raise Unsupported("gate/up and down sizes disagree")
         stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                         _segments(attn.qkv_proj, kernels), None, _segments(attn.o_proj, kernels), gate_up,
                         _segments(mlp.down_proj, kernels), intermediate, a.kv_cache[0], a.kv_cache[1])
     logger.info("native decode step: on (%d layers, %d heads / %d kv heads)", stack.num_layers,
-                first.attn.num_heads, first.attn.num_kv_heads)
+                layers[0].self_attn.attn.num_heads, layers[0].self_attn.attn.num_kv_heads)
     return stack, layers[0].self_attn.attn.kv_cache
 
 

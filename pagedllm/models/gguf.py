@@ -362,25 +362,30 @@ def _tensor_map(path: str) -> dict[str, str]:
         return json.load(f)
 
 
-def gguf_weights(path: str, hf_config) -> Iterator[tuple[str, GGUFTensorSource]]:
-    """Every tensor of the GGUF model at ``path`` as (HF name, source over the file's memory
-    map), in file order."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+def _hf_tensors(path: str, arch: str) -> Iterator[tuple[str, TensorInfo]]:
+    """(HF name, table entry) of every tensor the model loads, in file order."""
     file = find_gguf_file(path)
-    arch = hf_config.gguf_architecture
     names = _tensor_map(path)
-    heads = int(hf_config.num_attention_heads)
-    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
-    mm = np.memmap(file, dtype=np.uint8, mode="r")
     for t in tensor_index(file):
         hf_name = names.get(t.name)
         if hf_name is None:
             if t.name.startswith("rope_freqs") or t.name.endswith(".rope_freqs.weight"):
                 continue  # llama.cpp's precomputed rotary factors: ours come from the config
             raise ValueError(f"GGUF file {file!r}: tensor {t.name!r} has no counterpart in {GGUF_ARCHITECTURES[arch]}")
-        qtype = GGMLQuantizationType(t.qtype)
-        elems, nbytes = GGML_QUANT_SIZES[qtype]
+        yield hf_name, t
+
+
+def gguf_weights(path: str, hf_config) -> Iterator[tuple[str, GGUFTensorSource]]:
+    """Every tensor of the GGUF model at ``path`` as (HF name, source over the file's memory
+    map), in file order."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    arch = hf_config.gguf_architecture
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    mm = np.memmap(find_gguf_file(path), dtype=np.uint8, mode="r")
+    for hf_name, t in _hf_tensors(path, arch):
+        elems, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.qtype)]
         raw = mm[t.offset:t.offset + _nbytes(t)]
         data = raw.reshape(t.shape[0], t.shape[1] // elems * nbytes) if len(t.shape) == 2 else raw
         rows = None
@@ -397,4 +402,8 @@ def gguf_quantization(path: str, hf_config, requested: Optional[str]):
     if requested not in (None, "gguf"):
         raise ValueError(f"quantization={requested!r} was requested but {path!r} is a GGUF file (its blocks are its "
                          "quantization; pass quantization='gguf' or leave it unset)")
-    return GGUFQuantConfig({name: src.type_name for name, src in gguf_weights(path, hf_config)})
+    from gguf import GGMLQuantizationType
+
+    # (tensor_index has refused unknown type ids)
+    return GGUFQuantConfig({name: GGMLQuantizationType(t.qtype).name
+                            for name, t in _hf_tensors(path, hf_config.gguf_architecture)})

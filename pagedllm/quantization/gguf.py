@@ -29,12 +29,6 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q6_K")
 
 
-def type_id(name: str) -> int:
-    from gguf import GGMLQuantizationType
-
-    return int(GGMLQuantizationType[name])
-
-
 def check_type(type_name: str, where: str) -> None:
     if type_name not in SUPPORTED_TYPES:
         raise ValueError(f"{where}: GGUF tensor type {type_name} is not supported; supported types: "
