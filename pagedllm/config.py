@@ -123,6 +123,9 @@ class EngineConfig:
     served_model_name: Optional[str] = None
     max_waiting_requests: Optional[int] = None  # sequences waiting beyond max_num_seqs; default 4 x max_num_seqs
     max_n: int = 128  # most sequences (n) one request may ask for
+    # most of one request's sequences (n / best_of children) running at once; the others wait their turn,
+    # so a large-n request never holds every slot (None: max_num_seqs // 4, at least 1)
+    max_num_seqs_per_request: Optional[int] = None
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": ignore it; or a directory
     # CPU settings (defaults may be overridden by the variables listed in envs.py).
     cpu_kernels: bool = field(default_factory=envs.cpu_kernels_enabled)
@@ -391,6 +394,8 @@ class EngineConfig:
                      "structured_compile_workers", "max_tools", "max_logprob_entries", "max_registered_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_seqs_per_request is not None and self.max_num_seqs_per_request < 1:
+            raise ValueError(f"max_num_seqs_per_request must be >= 1, got {self.max_num_seqs_per_request}")
         if self.structured_max_queued_compiles < 0 or self.structured_cache_bytes < 0:
             raise ValueError("structured_max_queued_compiles and structured_cache_bytes must be >= 0")
         if self.structured_compile_isolation not in ("process", "thread"):
@@ -486,6 +491,14 @@ def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:
     if requested > limit:
         raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
     return requested
+
+
+def resolve_max_num_seqs_per_request(config: EngineConfig) -> int:
+    """Most sequences of one request running at once: the flag (at most max_num_seqs), or a
+    quarter of max_num_seqs."""
+    if config.max_num_seqs_per_request is not None:
+        return min(config.max_num_seqs_per_request, config.max_num_seqs)
+    return max(1, config.max_num_seqs // 4)
 
 
 def fit_max_model_len(num_blocks: int, block_size: int, max_model_len: int, user_set: bool,

@@ -6,8 +6,8 @@ A constraint is asked, per unit, in the loop's fixed order:
 - ``holds_back(unit)``: the unit sits this step out (a running one is not scheduled, a waiting one
   is set aside while the others go on);
 - ``fits_step(unit)``: a running unit may run this step (it may be counted: LoRA's per-step cap);
-- ``acquire(unit)``: a waiting unit takes what it holds while it runs (a LoRA slot); False sets it
-  aside; ``release(request)`` gives it back when the request leaves the running batch or its
+- ``acquire(unit)``: a waiting unit takes what it holds while it runs (a LoRA slot, one of its
+  request's share of the running slots); False sets it aside; ``release(request)`` gives it back when the request leaves the running batch or its
   admission fails.
 ``start_step(num_running, num_waiting)`` resets the per-step state; ``step_output()`` and
 ``stats(running, waiting)`` add its fields to the step's SchedulerOutput and to SchedulerStats. A
@@ -136,10 +136,58 @@ class InFlightBatches:
         return {}
 
 
+class RequestShare:
+    """One request's sequences (its n / best_of children, core requests with the same
+    ``parent_id``) hold at most ``max_per_request`` running slots: the rest are set aside while
+    other requests are admitted, and take a slot as one of theirs leaves (finished or preempted)."""
+
+    def __init__(self, max_per_request: int) -> None:
+        self.max_per_request = max_per_request
+        self._running: dict[str, set[str]] = {}  # parent id -> its children holding a slot
+
+    def start_step(self, num_running: int, num_waiting: int) -> None:
+        pass
+
+    def batch_full(self, num_scheduled: int) -> bool:
+        return False
+
+    def holds_back(self, unit) -> bool:
+        return False
+
+    def fits_step(self, unit) -> bool:
+        return True
+
+    def acquire(self, unit) -> bool:
+        for req in unit.requests:
+            if req.parent_id is None:
+                continue
+            held = self._running.setdefault(req.parent_id, set())
+            if len(held) >= self.max_per_request:
+                return False
+            held.add(req.request_id)
+        return True
+
+    def release(self, request: Request) -> None:
+        held = self._running.get(request.parent_id) if request.parent_id is not None else None
+        if held is not None:
+            held.discard(request.request_id)
+            if not held:
+                del self._running[request.parent_id]
+
+    def step_output(self) -> dict:
+        return {}
+
+    def stats(self, running: Iterable[Request], waiting: Iterable[Request]) -> dict:
+        return {}
+
+
 def make_constraints(max_loras: int, max_loras_per_step: int, max_batches_in_flight: int,
-                     max_num_seqs: int) -> list[AdmissionConstraint]:
-    """The built-in constraints a configuration turns on."""
+                     max_num_seqs: int, max_num_seqs_per_request: int = 0) -> list[AdmissionConstraint]:
+    """The built-in constraints a configuration turns on (``max_num_seqs_per_request`` 0 or at
+    least max_num_seqs: no per-request share)."""
     out: list[AdmissionConstraint] = []
+    if 0 < max_num_seqs_per_request < max_num_seqs:
+        out.append(RequestShare(max_num_seqs_per_request))
     if max_loras:
         out.append(LoRASlots(max_loras, max_loras_per_step))
     if max_batches_in_flight > 1:

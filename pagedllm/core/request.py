@@ -64,6 +64,7 @@ class Request:
         "unit",
         "mm_features",
         "deadline",
+        "parent_id",
     )
 
     def __init__(
@@ -78,6 +79,7 @@ class Request:
         priority: int = 0,
         mm_features: tuple = (),
         deadline: Optional[float] = None,
+        parent_id: Optional[str] = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -105,6 +107,7 @@ class Request:
         # block hash chain) and the encoder inputs the workers get with it
         self.mm_features = tuple(mm_features)
         self.deadline = deadline  # time.monotonic() past which the core ends it (None: never)
+        self.parent_id = parent_id  # the request it is one of n / best_of children of (None: it is the request)
 
     @property
     def cache_key(self) -> Optional[str]:

@@ -10,7 +10,7 @@ small Protocol with its implementations beside it:
 - the policy (core/scheduling_policy.py): queue order and the preemption victim (fcfs, priority);
 - the look-ahead (core/look_ahead.py): slots a decoding request reserves (speculative decoding);
 - admission constraints (core/admission.py): LoRA slots, batches in flight (pipeline parallelism,
-  an asynchronous executor).
+  an asynchronous executor), one request's share of the running slots.
 Requests with an output constraint are units of their own type (core/grammar_wait.py): they wait
 in the queue as WAITING_FOR_GRAMMAR until the grammar source says their grammar is compiled, and
 the step's bitmask (of those that sample) travels in SchedulerOutput.grammar.
@@ -66,6 +66,7 @@ class SchedulerLimits:
     # pipeline parallelism: workers learn sampled ids from the diffs (CachedRequestData.new_token_ids)
     send_new_token_ids: bool = False
     scheduling_policy: str = "fcfs"  # "fcfs" | "priority" (core/scheduling_policy.py)
+    max_num_seqs_per_request: int = 0  # one request's sequences running at once (0: up to max_num_seqs)
 
 
 class Scheduler:
@@ -79,7 +80,8 @@ class Scheduler:
         self.look_ahead = make_look_ahead(limits.num_spec_tokens, limits.spec_disable_batch_size,
                                           limits.max_model_len, kv_cache_manager, spec_governor)
         self.constraints: list[AdmissionConstraint] = list(constraints) + make_constraints(
-            limits.max_loras, limits.max_loras_per_step, limits.max_batches_in_flight, limits.max_num_seqs)
+            limits.max_loras, limits.max_loras_per_step, limits.max_batches_in_flight, limits.max_num_seqs,
+            limits.max_num_seqs_per_request)
         # LoRA's AdapterSlots and pipeline parallelism's in-flight set, for the engine, stats and tests
         self.lora_slots = next((c.slots for c in self.constraints if isinstance(c, LoRASlots)), None)
         self._pipeline = next((c for c in self.constraints if isinstance(c, InFlightBatches)), None)

@@ -14,7 +14,8 @@ import logging
 import time
 from collections import deque
 
-from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
+from pagedllm.config import (EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens,
+                             resolve_max_num_seqs_per_request)
 from pagedllm.core.contracts import EngineCoreOutput, SchedulerStats
 from pagedllm.core.engine_request import EngineCoreRequest, EngineLimits, StepTiming
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -76,6 +77,7 @@ class EngineCore:
             max_batches_in_flight=1 if self.async_scheduling else self.batch_depth,
             send_new_token_ids=config.pipeline_parallel_size > 1,  # the last stage samples, the others learn the ids
             scheduling_policy=config.scheduling_policy,
+            max_num_seqs_per_request=resolve_max_num_seqs_per_request(config),
             **spec_limits,
         )
         self.tokenizer = tokenizer
@@ -136,6 +138,8 @@ class EngineCore:
                           arrival_time=r.arrival_time, cache_salt=r.cache_salt, **extra)
             req.beam = make_beam_group(r, self.tokenizer)
             return [req]
+        if r.num_children > 1:  # the children share the request's part of the running slots
+            extra["parent_id"] = r.request_id
         return [Request(cid, r.prompt_token_ids, r.child_params(i), max_tokens=r.max_tokens,
                         arrival_time=r.arrival_time, cache_salt=r.cache_salt, lora=r.lora, **extra)
                 for i, cid in enumerate(r.child_ids)]

@@ -57,6 +57,8 @@ _HELP = {
     "max_waiting_requests": "sequences (n per request) that may wait beyond the running batch; past it new requests "
                             "get 429 with Retry-After (default: 4 x max_num_seqs)",
     "max_n": "most sequences (n) one request may ask for (default 128)",
+    "max_num_seqs_per_request": "most sequences of one request (n, best_of) running at once; the rest wait their "
+                                "turn while other requests are scheduled (default: max_num_seqs / 4)",
     "generation_config": "default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
                          "max_new_tokens) for requests that leave them unset: auto (the model's "
                          "generation_config.json), vllm (ignore it), or a directory holding a generation_config.json",

@@ -120,3 +120,52 @@ def test_random_workloads_drain_without_leaks(reqs, num_blocks_extra, block_size
         assert len(s.running) <= max_num_seqs
         assert steps < 5000
     assert s.kv.num_free_blocks == s.kv.num_total_blocks
+
+
+def add_children(s, parent, n, n_prompt, max_tokens=4):
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for i in range(n):
+        s.add_request(Request(f"{parent}#{i}", list(range(n_prompt)), sp, max_tokens=max_tokens, parent_id=parent))
+
+
+def test_one_requests_children_hold_at_most_their_share_of_the_slots():
+    kv = KVCacheManager(256, 4, True)
+    s = Scheduler(SchedulerLimits(8, 256, 256, max_num_seqs_per_request=3), kv)
+    add_children(s, "big", 12, 5, max_tokens=30)
+    so, _ = fake_step(s)
+    assert len(so.num_scheduled_tokens) == 3  # 3 of its 12 run; 5 slots stay free for others
+    add(s, "late", 4, max_tokens=2, base=900)
+    so, _ = fake_step(s)
+    assert "late" in so.num_scheduled_tokens  # admitted at once, past the waiting children
+    finished, steps = run_to_end(s)
+    assert len(finished) == 13
+    for step in steps:
+        assert sum(rid.startswith("big#") for rid in step.num_scheduled_tokens) <= 3
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(1, 12), st.integers(1, 8)), min_size=1, max_size=6),
+       st.integers(1, 4), st.integers(2, 8), st.integers(16, 40), st.integers(0, 12))
+def test_shares_hold_through_preemption_and_aborts(parents, share, max_num_seqs, num_blocks, abort_at):
+    """With preemption (a small cache) and an abort, no request ever runs more than its share,
+    every child finishes and no block or slot is leaked."""
+    kv = KVCacheManager(num_blocks, 4, True)
+    s = Scheduler(SchedulerLimits(max_num_seqs, 16, 48, max_num_seqs_per_request=share), kv)
+    for p, (n, plen, mt) in enumerate(parents):
+        add_children(s, f"p{p}", n, plen, max_tokens=mt)
+    steps = 0
+    while s.has_unfinished_requests():
+        fake_step(s)
+        steps += 1
+        if steps == abort_at:
+            s.finish_requests(["p0#0"], RequestStatus.FINISHED_ABORTED)
+        per_parent = {}
+        for r in s.running:
+            per_parent[r.parent_id] = per_parent.get(r.parent_id, 0) + 1
+        assert max(per_parent.values(), default=0) <= share
+        assert steps < 5000
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks
+    share_constraint = next((c for c in s.constraints if type(c).__name__ == "RequestShare"), None)
+    assert (share_constraint is None) == (share >= max_num_seqs)  # a share of every slot is no constraint
+    assert share_constraint is None or not share_constraint._running

@@ -170,3 +170,24 @@ def test_async_failures_never_kill_the_engine(llama_ckpt, prompts, reference, mo
             llm.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_a_large_n_request_leaves_slots_for_others(llama_ckpt, prompts):
+    """max_num_seqs 8 (a quarter of it per request): a request of n=8 runs 2 sequences at a time,
+    and a short request sent after it is admitted beside them and finishes long before it."""
+    engine = LLMEngine(EngineConfig(model=llama_ckpt, max_num_seqs=8, **CFG))
+    big = SamplingParams(temperature=0.8, seed=3, n=8, max_tokens=40, ignore_eos=True)
+    engine.add_request("big", {"prompt_token_ids": prompts[0]}, big)
+    engine.step()
+    engine.add_request("short", {"prompt_token_ids": prompts[1]}, SamplingParams(temperature=0, max_tokens=2))
+    finished_first = None
+    for _ in range(1000):
+        if not engine.has_unfinished_requests():
+            break
+        assert engine.get_stats().num_running <= 2 + 1
+        for o in engine.step():
+            if o.finished and finished_first is None:
+                finished_first = o.request_id
+    assert finished_first == "short"
+    assert_clean(engine)
+    engine.shutdown()
