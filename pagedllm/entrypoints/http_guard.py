@@ -77,6 +77,32 @@ async def read_body(receive, limit: int, timeout: float):
             return b"".join(chunks)
 
 
+# A refused request's body is read and dropped up to this many bytes before the answer goes out,
+# as nginx's lingering close does: closing a connection with unread bytes resets it, and a client
+# still sending (httpx, requests, a router forwarding the body) would see the reset, not the answer.
+# A body declared larger than this is not read: its connection is closed with the answer.
+DRAIN_LIMIT = 64 << 20
+
+
+async def drain_body(receive, already: int, declared: int, timeout: float) -> None:
+    """Read and drop the rest of a body (``already`` bytes of it read so far), unless it is
+    declared over DRAIN_LIMIT; stops at DRAIN_LIMIT, a disconnect, or ``timeout`` seconds
+    without a chunk."""
+    if declared > DRAIN_LIMIT:
+        return
+    size = already
+    while size <= DRAIN_LIMIT:
+        try:
+            message = await asyncio.wait_for(receive(), timeout)
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect":
+            return
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 def too_large_message(size: int, limit: int) -> str:
     return (f"the request body is {'at least ' if size <= limit else ''}{size} bytes; this server accepts at most "
             f"{limit} (--max-request-body-size)")
@@ -87,33 +113,38 @@ async def guard_body(scope, receive, send, state, error: ErrorFactory, json_path
     """Check one HTTP request; answer it here (401, 413, 408, 415; None returned) or return the
     ``receive`` the app gets (the body read and bounded, replayed). ``state`` gives ``api_key``
     (None: no key), ``max_body_size`` (bytes) and ``http_read_timeout`` (seconds between chunks).
-    A refusal whose body was not read closes the connection (``Connection: close``)."""
+    A refusal of an authorised request reads and drops its body first (drain_body), then closes
+    the connection (``Connection: close``)."""
     headers = dict(scope["headers"])
     body_coming = has_body(headers)
     close = {"Connection": "close"} if body_coming else None
     key = state.api_key
     page = is_browser_page(scope["path"])
+    limit, timeout = state.max_body_size, state.http_read_timeout
+    declared = declared_length(headers)
     if key and scope["path"] not in open_paths and scope["method"] != "OPTIONS" \
             and not authorized(headers, key.encode(), allow_basic=page):
         if page:  # the browser asks for the credentials
             close = {**(close or {}), "WWW-Authenticate": 'Basic realm="pagedllm dashboard"'}
+        # not drained: a client without the key gets no byte of its body read
         await error(401, "Incorrect or missing API key: pass 'Authorization: Bearer <key>'.", "invalid_api_key",
                     close)(scope, receive, send)
         return None
     if scope["method"] == "POST" and scope["path"] in json_paths:
         ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         if ctype and ctype != "application/json" and not ctype.endswith("+json"):
+            if body_coming:
+                await drain_body(receive, 0, declared, timeout)
             await error(415, f"the Content-Type must be application/json, got {ctype!r}", "unsupported_media_type",
                         close)(scope, receive, send)
             return None
     elif not body_coming:
         return receive
-    limit, timeout = state.max_body_size, state.http_read_timeout
-    declared = declared_length(headers)
     body = await read_body(receive, limit, timeout) if declared <= limit else ("too_large", declared)
     if isinstance(body, tuple):
         what, size = body
         if what == "too_large":
+            await drain_body(receive, size if declared <= limit else 0, declared, timeout)
             await error(413, too_large_message(size, limit), "request_too_large",
                         {"Connection": "close"})(scope, receive, send)
         elif what == "timeout":

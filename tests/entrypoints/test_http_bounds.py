@@ -81,6 +81,16 @@ def test_lora_route_trickled_body_is_cut_by_the_read_timeout(open_server):
     assert b"body_timeout" in reply and time.monotonic() - t0 < 10
 
 
+def test_a_body_far_over_the_limit_gets_its_413_not_a_reset(open_server):
+    """The server reads and drops a refused body before it answers and closes: a client still
+    sending megabytes (as httpx does) reads the 413, not a connection reset."""
+    for content in (b"x" * (6 << 20) + b"y", (b"x" * 65536 for _ in range(100))):  # declared, chunked
+        r = httpx.post(open_server.url + "/v1/completions", content=content,
+                       headers={"content-type": "application/json"}, timeout=60)
+        assert_error(r, 413, code="request_too_large")
+    assert httpx.get(open_server.url + "/health").status_code == 200
+
+
 def test_every_route_bounds_its_body(open_server):
     """A body on a route that takes none (GET /v1/models, an unknown path) is bounded too."""
     for method, path in (("GET", "/v1/models"), ("POST", "/nope"), ("GET", "/health")):
