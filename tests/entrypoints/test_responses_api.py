@@ -181,6 +181,22 @@ def test_previous_response_continues_the_conversation(live, client):
     assert [i.type for i in items.data] == ["message"]
 
 
+def test_a_client_chosen_request_id_never_replaces_a_stored_response(live, client):
+    victim = client.responses.create(model="tiny", input="Second Citizen:", max_output_tokens=3, temperature=0)
+    for rid in (victim.id, "my-own-id"):
+        other = client.responses.create(model="tiny", input="someone else", max_output_tokens=2,
+                                        extra_body={"request_id": rid})
+        assert other.id != victim.id and other.id.startswith("resp_")
+    items = client.responses.input_items.list(victim.id)
+    assert [i.content for i in items.data] == ["Second Citizen:"]
+    assert client.responses.retrieve(victim.id).output_text == victim.output_text
+    follow = client.responses.create(model="tiny", input="Again", previous_response_id=victim.id,
+                                     max_output_tokens=2, temperature=0)
+    history = [{"role": "user", "content": "Second Citizen:"}, {"role": "assistant", "content": victim.output_text},
+               {"role": "user", "content": "Again"}]
+    assert follow.usage.input_tokens == prompt_tokens(live, history)
+
+
 def test_store_false_retrieve_delete_cancel(live, client):
     r = client.responses.create(model="tiny", input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):

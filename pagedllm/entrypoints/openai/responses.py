@@ -15,7 +15,9 @@ response.reasoning_text.delta events) and counts as ``output_tokens_details.reas
 ``ResponseStore`` keeps stored responses (``store`` true, the default) in memory, bounded in
 count and in characters of conversation, oldest evicted first; ``store: false`` keeps nothing,
 so such a response cannot be retrieved or continued. ``background: true`` answers at once with
-status ``in_progress``, generates in a task, and may be cancelled.
+status ``in_progress``, generates in a task, and may be cancelled. Stored responses are keyed by
+ids the server makes (``resp_<uuid>``); a request's ``request_id`` names only its engine request,
+so no client can replace or continue as its own another client's stored response by naming it.
 """
 from __future__ import annotations
 
@@ -285,9 +287,11 @@ class ServingResponses:
             else list(req.input)
         conversation += input_messages(req.input)
         chat = chat_request(req, conversation)
-        rid = req.request_id or _new_id("resp")
+        # the stored response's id is always the server's: a client-chosen request_id names the engine
+        # request (logs, aborts) but never a store entry, so it cannot replace another client's response
+        rid = _new_id("resp")
         try:
-            streams, _, model, prompt_len, plan = await self.serving.start_chat(chat, timeout, rid)
+            streams, _, model, prompt_len, plan = await self.serving.start_chat(chat, timeout, req.request_id or rid)
         except APIError as e:
             raise _rename(e) from None
         response = ResponseObject(
