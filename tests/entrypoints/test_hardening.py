@@ -220,9 +220,11 @@ def test_drain_ends_open_streams_with_an_error_event(llama_ckpt):
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
             live.server.handle_exit(15, None)  # what SIGTERM does
-            try:  # uvicorn closes its listening socket within 0.1 s: a new request is refused or gets 503
+            # uvicorn closes its listening socket and its idle connections: a new request is refused (no
+            # connection, or one closed before an answer, whichever the race gives on a busy host) or gets 503
+            try:
                 assert_error(post(live, "/v1/completions", json={"prompt": PROMPT}), 503, code="shutting_down")
-            except httpx.ConnectError:
+            except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
                 pass
             with pytest.raises(APIError, match="shutting down"):
                 live.state.require()
