@@ -316,7 +316,7 @@ class OutputProcessor:
                     delta += st.detok.flush()
                 st.text += delta
                 if st.params.stop and not token_stop:
-                    stopped_by_string = self._check_stop_strings(st, len(delta))
+                    stopped_by_string = self._check_stop_strings(st, len(delta), len(st.token_ids))
         if stopped_by_string:
             return st, True
         if out.finish_reason is not None:
@@ -332,7 +332,7 @@ class OutputProcessor:
             if finishing and j == len(ids) - 1:
                 delta += st.detok.flush()
             st.text += delta
-            if self._check_stop_strings(st, len(delta)):
+            if self._check_stop_strings(st, len(delta), len(st.token_ids) - (len(ids) - 1 - j)):
                 drop = len(ids) - 1 - j
                 if drop:
                     dropped = st.token_ids[-drop:]
@@ -345,7 +345,12 @@ class OutputProcessor:
         return False
 
     @staticmethod
-    def _check_stop_strings(st: RequestState, new_chars: int) -> bool:
+    def _check_stop_strings(st: RequestState, new_chars: int, num_tokens: int) -> bool:
+        """Whether a stop string ends within the last ``new_chars`` characters (the text is cut
+        there). Not before ``num_tokens`` (the output's tokens so far) reaches min_tokens, as with
+        stop tokens: a stop string completed earlier is passed over for good (vLLM's rule)."""
+        if num_tokens < st.params.min_tokens:
+            return False
         max_len = st.params.max_stop_len
         search_from = max(0, len(st.text) - new_chars - max_len + 1)
         best: Optional[tuple[int, str]] = None

@@ -86,6 +86,21 @@ def test_stop_strings_across_token_boundaries(llm):
     assert_no_leak(llm)
 
 
+def test_min_tokens_holds_back_stop_strings_too(llm):
+    """A stop string completed before min_tokens is passed over (vLLM's rule), as a stop token is."""
+    p = random_prompts((20,), seed=8)[0]
+    full = gen(llm, [p], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    stop = full.text.split()[1][:1]  # a character the text shows early (and maybe again later)
+    early = gen(llm, [p], SamplingParams(temperature=0, max_tokens=16, stop=[stop], ignore_eos=True))[0].outputs[0]
+    assert early.finish_reason == "stop" and len(early.token_ids) < 6
+    held = gen(llm, [p], SamplingParams(temperature=0, max_tokens=16, stop=[stop], min_tokens=6,
+                                        ignore_eos=True))[0].outputs[0]
+    assert len(held.token_ids) >= 6 and held.token_ids == full.token_ids[:len(held.token_ids)]
+    assert stop in held.text and full.text.startswith(held.text)
+    assert held.finish_reason == "length" or (held.finish_reason == "stop" and held.stop_reason == stop)
+    assert_no_leak(llm)
+
+
 def test_penalties_change_output_and_stay_valid(llm):
     p = random_prompts((30,), seed=9)[0]
     base = gen(llm, [p], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0].token_ids
