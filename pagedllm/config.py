@@ -172,6 +172,12 @@ class EngineConfig:
     # logprob entries (token x top-N alternatives, over n choices and prompts) one response may carry:
     # prompt_logprobs x n, echo x logprobs x prompt length, logprobs x max_tokens x n (more: 400)
     max_logprob_entries: int = 500_000
+    # What one pooling request (/v1/embeddings, /pooling, /score, /rerank) may carry (more: 400 naming the limit):
+    max_pooling_inputs: int = 2048  # inputs (texts or token id lists; /score pairs, /rerank documents)
+    max_pooling_tokens: int = 1 << 20  # tokens over all its inputs (2048 inputs of a 512-token encoder)
+    # numbers in its reply (token_embed: one vector per token); None: 8M (~170 MB of JSON), or more where one
+    # max_model_len input's token vectors need it (every input that fits is answerable alone)
+    max_pooling_output_values: Optional[int] = None
     # the scheduler's queue order and preemption victim (core/scheduling_policy.py): "fcfs" (arrival order) or
     # "priority" (by Request.priority, lower first, then arrival; vLLM's rule)
     scheduling_policy: str = "fcfs"
@@ -391,11 +397,14 @@ class EngineConfig:
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         for name in ("structured_max_bytes", "structured_max_depth", "structured_max_alternatives",
-                     "structured_compile_workers", "max_tools", "max_logprob_entries", "max_registered_loras"):
+                     "structured_compile_workers", "max_tools", "max_logprob_entries", "max_registered_loras",
+                     "max_pooling_inputs", "max_pooling_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_seqs_per_request is not None and self.max_num_seqs_per_request < 1:
             raise ValueError(f"max_num_seqs_per_request must be >= 1, got {self.max_num_seqs_per_request}")
+        if self.max_pooling_output_values is not None and self.max_pooling_output_values < 1:
+            raise ValueError(f"max_pooling_output_values must be >= 1, got {self.max_pooling_output_values}")
         if self.structured_max_queued_compiles < 0 or self.structured_cache_bytes < 0:
             raise ValueError("structured_max_queued_compiles and structured_cache_bytes must be >= 0")
         if self.structured_compile_isolation not in ("process", "thread"):

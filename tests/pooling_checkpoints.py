@@ -13,8 +13,10 @@ VOCAB = 200
 _SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 
-def _bert_tokenizer(path: str) -> None:
-    """WordPiece over w0..wN with BERT's template: [CLS] A [SEP] (B [SEP]), segment ids 0 / 1."""
+def _bert_tokenizer(path: str, token_types: bool = True) -> None:
+    """WordPiece over w0..wN with BERT's template: [CLS] A [SEP] (B [SEP]), segment ids 0 / 1
+    (``token_types`` False: token_type_ids not among its model_input_names, so the tokenizer
+    does not hand them to the model)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -25,7 +27,8 @@ def _bert_tokenizer(path: str) -> None:
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
                                    sep_token="[SEP]", mask_token="[MASK]",
-                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"] if token_types
+                                   else ["input_ids", "attention_mask"])
     fast.save_pretrained(path)
 
 
@@ -39,7 +42,8 @@ def _widen(model) -> None:
 def make_pooling_checkpoint(path: str, kind: str, seed: int = 0) -> str:
     """kind: bert_mean (BertModel + sentence-transformers mean pooling, normalised, Matryoshka),
     xlmr_cls (XLMRobertaModel, CLS), bert_rerank / xlmr_rerank (sequence classifiers, one label),
-    qwen3_embed (a Qwen3ForCausalLM checkpoint, last-token pooling)."""
+    bert_rerank_notypes (bert_rerank whose tokenizer returns no token_type_ids), qwen3_embed (a
+    Qwen3ForCausalLM checkpoint, last-token pooling)."""
     import transformers as tf
 
     if os.path.exists(os.path.join(path, "config.json")):
@@ -53,18 +57,18 @@ def make_pooling_checkpoint(path: str, kind: str, seed: int = 0) -> str:
                   initializer_range=0.1)
     if kind.startswith("bert"):
         cfg = tf.BertConfig(max_position_embeddings=128, pad_token_id=0, **common)
-        cls = tf.BertForSequenceClassification if kind.endswith("rerank") else tf.BertModel
+        cls = tf.BertForSequenceClassification if "rerank" in kind else tf.BertModel
     else:
         cfg = tf.XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, type_vocab_size=1, **common)
         cls = tf.XLMRobertaForSequenceClassification if kind.endswith("rerank") else tf.XLMRobertaModel
-    if kind.endswith("rerank"):
+    if "rerank" in kind:
         cfg.num_labels = 1
     if kind == "bert_mean":
         cfg.is_matryoshka = True
     model = cls(cfg).float().eval()
     _widen(model)
     model.save_pretrained(path, safe_serialization=True)
-    _bert_tokenizer(path)
+    _bert_tokenizer(path, token_types=not kind.endswith("notypes"))
     if kind == "bert_mean":
         with open(os.path.join(path, "modules.json"), "w") as f:
             json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},

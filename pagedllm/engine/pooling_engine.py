@@ -35,6 +35,22 @@ def wants_pooling(config: EngineConfig, hf_config=None) -> bool:
     return any(is_pooling_architecture(a) for a in (getattr(hf_config, "architectures", None) or []))
 
 
+class RequestLimitError(ValueError):
+    """A request over one of its per-request bounds (EngineConfig's max_pooling_*); ``param``
+    is the request field it names."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_token_budget(tokens: int, max_tokens: Optional[int], field: str) -> None:
+    """RequestLimitError when a request's inputs hold more than ``max_tokens`` tokens (None: no bound)."""
+    if max_tokens is not None and tokens > max_tokens:
+        raise RequestLimitError(f"{field}: the request's inputs hold at least {tokens} tokens, more than the "
+                                f"{max_tokens} one request may carry (max_pooling_tokens)", field)
+
+
 class _Job:
     __slots__ = ("seqs", "types", "hidden", "logits", "error", "done")
 
@@ -150,13 +166,21 @@ class PoolingEngine:
 
     def tokenize_pair(self, a: str, b: str, truncate: Optional[int] = None) -> tuple[list[int], list[int]]:
         """A cross-encoder's input: both texts with the tokenizer's separators and segment ids
-        (``truncate``: at most N tokens, the longer text shortened first, separators kept)."""
+        (``truncate``: at most N tokens, the longer text shortened first, separators kept). The
+        segment ids are the tokenizer's own only where its ``model_input_names`` has
+        ``token_type_ids`` (as HF and sentence-transformers feed the model); else all 0, the
+        model's default."""
         kw = {"truncation": True, "max_length": truncate} if truncate is not None else {}
-        enc = self.tokenizer(a, b, add_special_tokens=True, return_token_type_ids=True, **kw)
+        enc = self.tokenizer(a, b, add_special_tokens=True, return_token_type_ids=self.uses_token_types, **kw)
         ids = self._check_length(enc["input_ids"], "text")
-        if (getattr(self.hf_config, "type_vocab_size", 2) or 1) < 2:  # XLM-RoBERTa: one segment embedding
-            return ids, [0] * len(ids)
+        if not self.uses_token_types or (getattr(self.hf_config, "type_vocab_size", 2) or 1) < 2:
+            return ids, [0] * len(ids)  # XLM-RoBERTa: one segment embedding
         return ids, list(enc["token_type_ids"])
+
+    @property
+    def uses_token_types(self) -> bool:
+        """Whether the tokenizer hands the model segment ids (``token_type_ids`` in its model_input_names)."""
+        return "token_type_ids" in (getattr(self.tokenizer, "model_input_names", None) or ())
 
     def _check_length(self, ids: list[int], field: str) -> list[int]:
         if not ids:
@@ -207,10 +231,12 @@ class PoolingEngine:
         _, logits = self._forward(seqs, types)
         return classifier_scores(logits).cpu()
 
-    def score(self, text_1: list[Prompt], text_2: list[Prompt],
-              truncate: Optional[int] = None) -> tuple[list[float], int]:
+    def score(self, text_1: list[Prompt], text_2: list[Prompt], truncate: Optional[int] = None,
+              max_tokens: Optional[int] = None, field: str = "text_2") -> tuple[list[float], int]:
         """Scores of the pairs (one text_1 against many text_2, or pairwise), and the tokens used;
-        ``truncate``: a checked truncation() for each pair (cross-encoder) or each text."""
+        ``truncate``: a checked truncation() for each pair (cross-encoder) or each text;
+        ``max_tokens``: the most tokens all of them may hold (more: RequestLimitError naming
+        ``field`` and max_pooling_tokens), checked before any forward."""
         if len(text_1) == 1 and len(text_2) > 1:
             text_1 = list(text_1) * len(text_2)
         if len(text_1) != len(text_2):
@@ -225,10 +251,13 @@ class PoolingEngine:
             if not all(isinstance(t, str) for t in list(text_1) + list(text_2)):
                 raise ValueError("text_1 / text_2: a cross-encoder scores texts (strings)")
             pairs = [self.tokenize_pair(a, b, truncate) for a, b in zip(text_1, text_2)]
+            tokens = sum(len(p[0]) for p in pairs)
+            check_token_budget(tokens, max_tokens, field)
             scores = self.classify([p[0] for p in pairs], [p[1] for p in pairs])
-            return [float(s) for s in scores], sum(len(p[0]) for p in pairs)
+            return [float(s) for s in scores], tokens
         seqs_1 = [self.tokenize(t, "text_1", truncate) for t in text_1]
         seqs_2 = [self.tokenize(t, "text_2", truncate) for t in text_2]
+        check_token_budget(sum(map(len, seqs_1 + seqs_2)), max_tokens, field)
         vecs = self.embed(seqs_1 + seqs_2)
         a, b = torch.stack(vecs[: len(seqs_1)]), torch.stack(vecs[len(seqs_1):])
         cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)

@@ -59,6 +59,11 @@ _HELP = {
     "max_n": "most sequences (n) one request may ask for (default 128)",
     "max_num_seqs_per_request": "most sequences of one request (n, best_of) running at once; the rest wait their "
                                 "turn while other requests are scheduled (default: max_num_seqs / 4)",
+    "max_pooling_inputs": "most inputs one pooling request may carry (/v1/embeddings, /pooling inputs, /score pairs, "
+                          "/rerank documents; default 2048); more is a 400",
+    "max_pooling_tokens": "most tokens over all the inputs of one pooling request (default 1048576); more is a 400",
+    "max_pooling_output_values": "most numbers one pooling reply may carry (token_embed: a vector per token; default "
+                                 "8388608, or one max_model_len input's token vectors if more); more is a 400",
     "generation_config": "default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty, "
                          "max_new_tokens) for requests that leave them unset: auto (the model's "
                          "generation_config.json), vllm (ignore it), or a directory holding a generation_config.json",

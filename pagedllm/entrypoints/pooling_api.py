@@ -53,8 +53,8 @@ class PoolingAPI:
             data = engine.embed(seqs)
         elif pooling_task == "token_embed":
             data = engine.token_embed(seqs)
-        elif pooling_task == "classify":
-            data = list(engine.classify(seqs))
+        elif pooling_task == "classify":  # a row of class scores per prompt (one element for a single label)
+            data = list(engine.classify(seqs).reshape(len(seqs), -1))
         else:
             raise ValueError(f"pooling_task must be 'embed', 'token_embed' or 'classify', got {pooling_task!r}")
         return [PoolingRequestOutput(str(i), PoolingOutput(d), s) for i, (d, s) in enumerate(zip(data, seqs))]

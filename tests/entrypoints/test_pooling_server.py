@@ -120,3 +120,74 @@ def test_refusals(embed_server, server):
     assert wrong.status_code == 404
     on_generative = httpx.post(server.url + "/v1/embeddings", json={"input": "w1"}, timeout=60)
     assert on_generative.status_code == 400 and "--runner pooling" in on_generative.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def notypes_server(ckpt_dir):
+    """A single-label cross-encoder whose tokenizer hands the model no token_type_ids."""
+    yield from _served(ckpt_dir, "bert_rerank_notypes", "ce")
+
+
+def test_single_label_classifier_pooling(notypes_server):
+    """/pooling on a one-label classifier: each input's data a one-element list (vLLM's shape),
+    for token-id inputs and base64 too."""
+    live, offline = notypes_server
+    ids = [o.prompt_token_ids for o in offline.classify(TEXTS)]
+    ref = [o.outputs.probs for o in offline.classify(TEXTS)]
+    r = httpx.post(live.url + "/pooling", json={"input": ids}, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == [0, 1, 2] and all(d["object"] == "pooling" for d in data)
+    assert all(len(d["data"]) == 1 for d in data) and np.allclose([d["data"] for d in data], ref, atol=1e-6)
+    b64 = httpx.post(live.url + "/pooling", json={"input": TEXTS[2], "task": "classify", "encoding_format": "base64"},
+                     timeout=60).json()
+    assert np.allclose(np.frombuffer(base64.b64decode(b64["data"][0]["data"]), dtype="<f4"), ref[2], atol=1e-6)
+
+
+def test_cross_encoder_routes_without_token_types_match_hf(notypes_server):
+    """/score and /rerank as HF's classifier scores the pairs the tokenizer builds (no segment ids)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    live, _ = notypes_server
+    path = live.state.config.model
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    query, docs = "w30 w2", ["w2 w3", "w30 w31 w32", "w9"]
+    with torch.no_grad():
+        ref = [torch.sigmoid(hf(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
+    s = httpx.post(live.url + "/v1/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+    assert np.allclose([d["score"] for d in s["data"]], ref, atol=1e-5)
+    r = httpx.post(live.url + "/rerank", json={"query": query, "documents": docs, "return_documents": False},
+                   timeout=60).json()
+    assert [x["index"] for x in r["results"]] == sorted(range(3), key=lambda i: -ref[i])
+    assert np.allclose([x["relevance_score"] for x in r["results"]], sorted(ref, reverse=True), atol=1e-5)
+
+
+def test_tokenize_and_detokenize_on_a_pooling_server(notypes_server, monkeypatch):
+    """/tokenize and /detokenize answer on a pooling server with the generating server's shapes."""
+    live, offline = notypes_server
+    tok = offline.get_tokenizer()
+    text = "w11 w12 w13"
+    r = httpx.post(live.url + "/tokenize", json={"model": "ce", "prompt": text}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"tokens": tok(text)["input_ids"], "count": 5, "max_model_len": live.state.pooling.max_model_len}
+    bare = httpx.post(live.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60).json()
+    assert bare["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and bare["count"] == 3
+    d = httpx.post(live.url + "/detokenize", json={"tokens": bare["tokens"]}, timeout=60)
+    assert d.status_code == 200 and d.json() == {"prompt": tok.decode(bare["tokens"])}
+    bad = httpx.post(live.url + "/detokenize", json={"tokens": [1, 10_000]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    both = httpx.post(live.url + "/tokenize", json={"prompt": text, "messages": [{"role": "user", "content": "w1"}]},
+                      timeout=60)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "prompt"
+    messages = [{"role": "user", "content": "w1 w2"}, {"role": "user", "content": [{"type": "text", "text": "w3"}]}]
+    untemplated = httpx.post(live.url + "/tokenize", json={"messages": messages}, timeout=60)
+    assert untemplated.status_code == 400 and untemplated.json()["error"]["param"] == "messages"
+    served_tok = live.state.pooling.engine.tokenizer
+    monkeypatch.setattr(served_tok, "chat_template", "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    chat = httpx.post(live.url + "/tokenize", json={"messages": messages}, timeout=60)
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["tokens"] == tok("w1 w2 w3 ", add_special_tokens=False)["input_ids"]
+    wrong = httpx.post(live.url + "/tokenize", json={"model": "nope", "prompt": text}, timeout=60)
+    assert wrong.status_code == 404

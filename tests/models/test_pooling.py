@@ -17,7 +17,7 @@ QUERY = "w5 w9 w40"
 
 @pytest.fixture(scope="module")
 def ckpts(ckpt_dir):
-    kinds = ("bert_mean", "xlmr_cls", "bert_rerank", "xlmr_rerank", "qwen3_embed")
+    kinds = ("bert_mean", "xlmr_cls", "bert_rerank", "xlmr_rerank", "qwen3_embed", "bert_rerank_notypes")
     return {k: make_pooling_checkpoint(str(ckpt_dir / f"pool_{k}"), k) for k in kinds}
 
 
@@ -80,6 +80,31 @@ def test_cross_encoder_scores_match_hf_head(ckpts, kind):
     assert len(set(round(r, 4) for r in refs)) > 1  # the pairs score differently
     probs = model.classify(TEXTS)
     assert all(o.outputs.num_classes == 1 and 0 < o.outputs.probs[0] < 1 for o in probs)
+
+
+def test_cross_encoder_without_token_types_matches_hf(ckpts):
+    """A tokenizer whose model_input_names lacks token_type_ids hands the model none (HF and
+    sentence-transformers call it so): every token is segment 0, the second text's too."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = ckpts["bert_rerank_notypes"]
+    model = llm(path)
+    tok = model.get_tokenizer()
+    firsts, seconds = TEXTS, [QUERY, "w2", QUERY, "w60 w61"]  # pairwise, the query second
+    outs = model.score(firsts, seconds)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    refs, with_types = [], []
+    with torch.no_grad():
+        for a, b in zip(firsts, seconds):
+            enc = tok(a, b, return_tensors="pt")
+            assert "token_type_ids" not in enc
+            refs.append(torch.sigmoid(hf(**enc).logits[0, 0]).item())
+            typed = tok(a, b, return_tensors="pt", return_token_type_ids=True)
+            with_types.append(torch.sigmoid(hf(**typed).logits[0, 0]).item())
+    assert [round(o.outputs.score, 5) for o in outs] == [round(r, 5) for r in refs]
+    assert max(abs(r - t) for r, t in zip(refs, with_types)) > 1e-3  # segment ids 1 would score otherwise
+    ids, types = model.pooling.tokenize_pair(QUERY, "w2")
+    assert ids == tok(QUERY, "w2")["input_ids"] and types == [0] * 7  # [CLS] w5 w9 w40 [SEP] w2 [SEP]
 
 
 def test_score_with_an_embedding_model_is_cosine(ckpts):

@@ -498,12 +498,16 @@ def build_app(engine_or_config: Any, served_model_name: Optional[str] = None, ap
 
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
+        if state.pooling is not None and not state.draining:  # a pooling server tokenizes too (as vLLM's)
+            return await state.pooling.tokenize(req)
         serving = state.require()
         tokens = await serving.tokenize(req)
         return json_response(TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=serving.max_model_len))
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
+        if state.pooling is not None and not state.draining:
+            return await state.pooling.detokenize(req)
         return json_response(DetokenizeResponse(prompt=state.require().detokenize(req)))
 
     if state.args.enable_dashboard:
