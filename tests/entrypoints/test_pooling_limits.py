@@ -49,13 +49,13 @@ def _ok(live: LiveServer, route: str, body: dict) -> dict:
 def test_config_bounds_and_serve_flags(ckpt_dir):
     from pagedllm.entrypoints.cli import _build_parser, engine_config_from_args
 
+    path = make_pooling_checkpoint(str(ckpt_dir / "pool_xlmr_cls"), "xlmr_cls")
     for name in ("max_pooling_inputs", "max_pooling_tokens", "max_pooling_output_values"):
         with pytest.raises(ValueError, match=name):
-            EngineConfig(**{name: 0})
-    default = EngineConfig()
+            EngineConfig(model=path, **{name: 0})
+    default = EngineConfig(model=path)
     assert (default.max_pooling_inputs, default.max_pooling_tokens, default.max_pooling_output_values) == \
         (2048, 1 << 20, None)
-    path = make_pooling_checkpoint(str(ckpt_dir / "pool_xlmr_cls"), "xlmr_cls")
     args = _build_parser().parse_args(["serve", path, "--max-pooling-inputs", "16", "--max-pooling-tokens",
                                        "5000", "--max-pooling-output-values", "70000"])
     args.model = args.model_pos
