@@ -43,6 +43,10 @@ class StructuredOutputsParams:
     # text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]} (free text until a trigger,
     # then the schema inside begin...end), or xgrammar's newer {"format": {...}}
     structural_tag: Optional[Union[str, dict[str, Any]]] = None
+    # (start, end) tags of a thinking model's reasoning ("<think>", "</think>"): the constraint applies
+    # to the output after the end tag (at once if the prompt already closed the reasoning), vLLM's
+    # rule under --reasoning-parser; None: from the first token
+    reasoning_tags: Optional[tuple[str, str]] = None
 
     def __post_init__(self) -> None:
         set_ = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
@@ -66,6 +70,12 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
         if self.json_object not in (None, True, False):
             raise ValueError(f"structured_outputs.json_object must be a boolean, got {self.json_object!r}")
+        if self.reasoning_tags is not None:
+            tags = self.reasoning_tags
+            if not isinstance(tags, (list, tuple)) or len(tags) != 2 or not all(isinstance(t, str) and t for t in tags):
+                raise ValueError(f"structured_outputs.reasoning_tags must be two non-empty strings (start, end), "
+                                 f"got {tags!r}")
+            self.reasoning_tags = (tags[0], tags[1])
 
     @property
     def kind(self) -> str:

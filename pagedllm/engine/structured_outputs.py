@@ -44,7 +44,8 @@ class StructuredOutputs:
             raise self.manager.timeout_error(request.sampling_params.structured_outputs)
         del self.compiling[rid]
         try:
-            self.manager.start(rid, fut.result(), request.output_token_ids)
+            self.manager.start(rid, fut.result(), request.output_token_ids, request.prompt_token_ids,
+                               request.sampling_params.structured_outputs.reasoning_tags)
         except BaseException:
             self.manager.remove(rid)
             raise

@@ -7,7 +7,8 @@ Lifecycle of a constrained request (driven by the scheduler through engine/struc
     ``structured_compile_timeout``), for callers that want the error at once (LLM.generate); the
     server awaits ``submit``'s future itself, so a client that goes away withdraws its compile.
  2. ``start``: once compiled, a GrammarMatcher is made for it (one per sequence: n > 1 fans out
-    into separate requests, each with its own).
+    into separate requests, each with its own); with ``reasoning_tags``, behind a ReasoningGate
+    (structured_output/reasoning_gate.py): no mask until the output's reasoning has ended.
  3. each step, ``step_grammar``: the allowed-token bitmask of every constrained request that
     samples this step, filled in one batched call, carried to the runner in SchedulerOutput.grammar
     (the sampling rank applies it to the logits before sampling).
@@ -21,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor, TimeoutError as FutureTimeout
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from pagedllm.core.contracts import GrammarBitmask
 from pagedllm.core.grammar_wait import Advance
@@ -30,6 +31,7 @@ from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import CompileIsolation, GrammarBackend, import_xgrammar, spec_key
 from pagedllm.structured_output.compile_process import CompileDeadlineError
 from pagedllm.structured_output.limits import CompileLimits, CompilePoolFullError, CompileTimeoutError, compile_timeout
+from pagedllm.structured_output.reasoning_gate import ReasoningGate, prompt_closes_reasoning
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,8 @@ class StructuredOutputManager:
         self._inflight: dict[tuple[str, str], Future] = {}  # compiles queued or running, by constraint
         self._waiters: dict[tuple[str, str], int] = {}  # callers still waiting on each
         self.matchers: dict[str, Any] = {}
+        self.gates: dict[str, ReasoningGate] = {}  # requests whose grammar waits for their reasoning to end
+        self._tag_cache: dict[str, tuple[int, ...]] = {}  # a reasoning tag's token ids
 
     @property
     def backend(self) -> GrammarBackend:
@@ -169,23 +173,45 @@ class StructuredOutputManager:
                 "cache_bytes": b.cache_size_bytes if b else 0, "inflight": self.num_inflight_compiles}
 
     # ---- per request ------------------------------------------------------------------------
-    def start(self, req_id: str, compiled, replay: Iterable[int] = ()) -> None:
-        """A matcher for ``req_id``, advanced over tokens it already produced (``replay``)."""
+    def start(self, req_id: str, compiled, replay: Iterable[int] = (), prompt_ids: Sequence[int] = (),
+              reasoning_tags: Optional[tuple[str, str]] = None) -> None:
+        """A matcher for ``req_id``, advanced over tokens it already produced (``replay``); with
+        ``reasoning_tags``, behind a ReasoningGate unless ``prompt_ids`` already closed the reasoning."""
         m = self.backend.matcher(compiled)
+        replay = list(replay)
+        gate = None
+        if reasoning_tags is not None:
+            start_ids, end_ids = (self._tag_ids(t) for t in reasoning_tags)
+            if not prompt_closes_reasoning(prompt_ids, start_ids, end_ids):
+                gate = ReasoningGate(end_ids)
+                after = gate.feed(replay)
+                replay = after if after is not None else []
+                gate = gate if after is None else None
         for tok in replay:
             if not m.accept_token(tok):
                 raise ValueError(f"request {req_id}: its output so far does not match its grammar")
         self.matchers[req_id] = m
+        if gate is not None:
+            self.gates[req_id] = gate
+
+    def _tag_ids(self, tag: str) -> tuple[int, ...]:
+        ids = self._tag_cache.get(tag)
+        if ids is None:
+            ids = self._tag_cache[tag] = tuple(self._args[0].encode(tag, add_special_tokens=False))
+        if not ids:
+            raise ValueError(f"structured_outputs.reasoning_tags: {tag!r} has no tokens")
+        return ids
 
     def remove(self, req_id: str) -> None:
         self.matchers.pop(req_id, None)
+        self.gates.pop(req_id, None)
 
     def step_grammar(self, sampling_req_ids: list[str]) -> Optional[GrammarBitmask]:
         """The bitmask rows of the constrained requests among ``sampling_req_ids`` (the requests
         that produce a token this step), or None when none is constrained. A new array each
         step: with steps in flight (pipeline stages, an asynchronous executor) an earlier step's
         masks must not change under it."""
-        ids = [r for r in sampling_req_ids if r in self.matchers]
+        ids = [r for r in sampling_req_ids if r in self.matchers and r not in self.gates]
         if not ids:
             return None
         backend = self.backend
@@ -198,6 +224,12 @@ class StructuredOutputManager:
         m = self.matchers.get(req_id)
         if m is None:
             return None
+        gate = self.gates.get(req_id)
+        if gate is not None:  # still reasoning: the grammar starts after the end tag
+            tokens = gate.feed(tokens)
+            if tokens is None:
+                return Advance(False, False)
+            del self.gates[req_id]
         stops = set(stop_token_ids)
         for tok in tokens:
             if m.is_terminated():

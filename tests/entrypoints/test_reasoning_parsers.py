@@ -59,8 +59,9 @@ def test_server_reasoning_content(live):
 
     client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=120)
     canned = "Two and two.</think>\n\nIt is four."  # the model's output, forced (a random model never thinks)
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "2+2?"}], max_tokens=80, temperature=0,
-              extra_body={"guided_regex": re.escape(canned).replace("\\ ", " ")})
+    # the prompt closes a reasoning block, so the constraint (which forces the output) applies from the first token
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "2+2? <think>x</think>\n"}], max_tokens=80,
+              temperature=0, extra_body={"guided_regex": re.escape(canned).replace("\\ ", " ")})
     m = client.chat.completions.create(**kw).choices[0].message
     assert m.content == "It is four." and m.model_extra["reasoning_content"] == "Two and two."
     thought, content = "", ""
@@ -73,6 +74,12 @@ def test_server_reasoning_content(live):
     plain = httpx.post(live.url + "/v1/chat/completions", json={**{k: v for k, v in kw.items() if k != "extra_body"},
                                                                "max_tokens": 3}, timeout=60).json()
     assert plain["choices"][0]["message"]["content"] is None  # deepseek_r1: reasoning until </think>
+    # a constraint waits for the reasoning to end: the (random) model reasons on, unconstrained, to max_tokens
+    choice = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "2+2?"}], max_tokens=12,
+                                            temperature=0, extra_body={"guided_choice": ["Verona", "Mantua", "Padua"]})
+    c = choice.choices[0]
+    assert c.finish_reason == "length" and choice.usage.completion_tokens == 12
+    assert c.message.content is None and c.message.model_extra["reasoning_content"] not in ("Verona", "Mantua", "Padua")
 
 
 def test_responses_reasoning_item(live):

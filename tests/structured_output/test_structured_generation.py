@@ -211,3 +211,34 @@ def test_async_scheduling_matches_with_constrained_requests(llm, default_model):
     for o, sp in zip(got, params):
         if sp.structured_outputs is not None:
             _check(o.outputs[0].text, sp.structured_outputs)
+
+
+def _forcing(token_ids):
+    """A logits processor making the output start with ``token_ids`` (what a thinking model writes)."""
+    import torch
+
+    def force(output_ids, logits):
+        k = len(output_ids)
+        if k < len(token_ids):
+            logits = torch.full_like(logits, float("-inf"))
+            logits[token_ids[k]] = 0.0
+        return logits
+
+    return force
+
+
+@pytest.mark.parametrize("spec", [S(choice=["Verona", "Mantua", "Padua"]), S(json={"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}}, "required": ["city"], "additionalProperties": False})])
+def test_a_constraint_with_reasoning_tags_starts_after_the_reasoning(llm, spec):
+    """reasoning_tags: the model's <think> ... </think> is free, the constraint holds after it;
+    a prompt that already closed the reasoning gets the constraint from the first token."""
+    thought = "Two and two make four.</think>"
+    ids = llm.get_tokenizer().encode(thought, add_special_tokens=False)
+    tagged = S(**{k: v for k, v in vars(spec).items() if v is not None}, reasoning_tags=("<think>", "</think>"))
+    sp = SamplingParams(temperature=0, max_tokens=60, structured_outputs=tagged, logits_processors=[_forcing(ids)])
+    out = llm.generate(["First Citizen:"], sp, use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith(thought), out.text
+    _check(out.text[len(thought):].lstrip("\n"), spec)
+    closed = llm.generate(["First Citizen: <think>done</think>\n"], SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=tagged), use_tqdm=False)[0].outputs[0]
+    _check(closed.text, spec)

@@ -24,6 +24,11 @@ _START, _END = "<think>", "</think>"
 class ReasoningParser:
     opens_in_prompt: bool  # reasoning from the first token (deepseek_r1) or only after <think> (qwen3)
 
+    @property
+    def tags(self) -> tuple[str, str]:
+        """The reasoning's (start, end) tags: an output constraint applies after the end tag."""
+        return _START, _END
+
     def extract(self, text: str) -> tuple[Optional[str], Optional[str]]:
         """(reasoning or None, content or None) of a whole output."""
         body = text.lstrip()

@@ -717,6 +717,9 @@ class OpenAIServing:
                 raise _bad_request(f"tool_choice {plan.mode!r} constrains the output, and so does "
                                    f"{request_constraint(req, _bad_request)[1]}: pass one", "tool_choice")
             params.structured_outputs = plan.constraint
+        thinking = self._reasoning_parser()
+        if thinking is not None and params.structured_outputs is not None:  # the answer is constrained, not the reasoning
+            params.structured_outputs.reasoning_tags = thinking.tags
         await self._check_constraint(req, params, "tools" if plan.constraint is not None else None)
         rid = request_id or f"chatcmpl-{req.request_id or uuid.uuid4().hex}"
         streams = await self._start([(self._engine_prompt(req, ids, mm_features=processed.mm_features), params, rid)],
