@@ -103,6 +103,7 @@ class AsyncLLM:
         self.dead_error: Optional[BaseException] = None
         self.stats = self.engine.get_stats()
         self.on_finished = None  # optional callback(RequestOutput) on the engine thread (metrics)
+        self.on_dead = None  # optional callback(the error) on the engine thread once the loop died
         self.on_step = None  # optional callback(stats, step_seconds) on the engine thread
         self.on_step_phases = None  # optional callback(StepTiming, output_seconds) per core step
         # seconds between each request's consecutive outputs, gathered since the previous on_step
@@ -316,3 +317,8 @@ class AsyncLLM:
             for stream in list(self._streams.values()):
                 stream.put(EngineDeadError(DEAD_MESSAGE))
             self._streams.clear()
+            if self.on_dead is not None:
+                try:
+                    self.on_dead(e)
+                except Exception:
+                    logger.exception("the engine's on_dead callback failed")

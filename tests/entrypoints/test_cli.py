@@ -121,6 +121,42 @@ def test_sigterm_finishes_in_flight_and_exits_0(llama_ckpt):
             proc.wait()
 
 
+def test_a_dead_engine_core_ends_the_server_with_status_1(llama_ckpt):
+    """A supervisor restarts only a process that exits: once the engine core dies, the open
+    stream gets its error event and [DONE], and the server exits 1."""
+    proc, url = _serve(llama_ckpt, "--served-model-name", "tiny")
+    try:
+        first_chunk, result = threading.Event(), {}
+
+        def stream():
+            body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 200, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+            lines = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first_chunk.set()
+            result["lines"] = lines
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first_chunk.wait(30)
+        cores = children(proc.pid, "spawn_main")
+        assert len(cores) == 1
+        os.kill(cores[0], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        t.join(30)
+        lines = result["lines"]
+        assert lines[-1] == "data: [DONE]" or json.loads(lines[-1][6:])["choices"][0]["finish_reason"] == "length"
+        if lines[-1] == "data: [DONE]" and "error" in lines[-2]:
+            assert json.loads(lines[-2][6:])["error"]["code"] == "engine_dead"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.slow
 def test_sigterm_aborts_requests_past_the_shutdown_timeout(llama_ckpt):
     """Past --shutdown-timeout an open stream ends with an error event and [DONE] (not cut), a

@@ -100,6 +100,10 @@ class ServerState:
         self.load_error: Optional[BaseException] = None
         self.on_load_error: Optional[Callable[[BaseException], None]] = None
         self.on_ready: Optional[Callable[[], None]] = None  # called once the engine serves (loader thread)
+        # the engine died while serving (its streams got their error): the server exits with status 1, so
+        # a supervisor (systemd, Kubernetes) restarts it, as vLLM's does; called on the engine's thread
+        self.engine_died = False
+        self.on_engine_dead: Optional[Callable[[], None]] = None
         self._loader: Optional[threading.Thread] = None
         self._closed = False
         self._lock = threading.Lock()  # loader thread vs shutdown
@@ -190,7 +194,15 @@ class ServerState:
         if self.pooling is None or self.draining:
             self.require()
 
+    def _engine_dead(self, error: BaseException) -> None:
+        self.engine_died = True
+        logger.error("the engine died (%s: %s): the server exits with status 1 once the open streams have their "
+                     "error", type(error).__name__, error)
+        if self.on_engine_dead is not None:
+            self.on_engine_dead()
+
     def _ready(self, engine) -> None:
+        engine.on_dead = self._engine_dead
         self.metrics.attach(engine)
         if self.args.enable_dashboard:
             from pagedllm.entrypoints.openai.dashboard import attach_recorder
@@ -259,7 +271,7 @@ class ServerState:
         last_tokens, last_t = None, time.monotonic()
         while True:
             await asyncio.sleep(interval)
-            if self.engine is None:
+            if self.engine is None or not self.engine.is_running:  # a dead engine's last stats are not news
                 continue
             stats, now = self.engine.stats, time.monotonic()
             tokens = stats.num_scheduled_tokens_total
@@ -701,11 +713,15 @@ def run_server(config: EngineConfig, server_args: ServerArgs,
     def load_failed(e: BaseException) -> None:
         server.should_exit = True
 
+    def engine_dead() -> None:  # uvicorn's graceful stop lets the streams write their error event first
+        server.should_exit = True
+
     state.on_load_error = load_failed
+    state.on_engine_dead = engine_dead
     if state.load_error is not None:
         return 1
     if holder["stop"]:
         state.shutdown()
         return 0
     server.run(sockets=[sock])
-    return 1 if state.load_error is not None else 0
+    return 1 if state.load_error is not None or state.engine_died else 0
