@@ -32,6 +32,8 @@ def test_continuous_usage_stats(client):
         assert content and all(c.usage is not None for c in content)
         assert counted == sorted(counted) and counted[-1] == chunks[-1].usage.completion_tokens
         assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in content)
+        assert all(c.usage is not None for c in chunks)  # every chunk, the chat's first (role) one too (vLLM's)
+        assert chunks[0].usage.completion_tokens == 0 or not hasattr(chunks[0].choices[0], "delta")
 
 
 def test_prompt_scoring_max_tokens_0(client, offline):

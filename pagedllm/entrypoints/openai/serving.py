@@ -787,19 +787,24 @@ class OpenAIServing:
         role_sent = False
         chunks = ChatChunks(rid, model)
         usage_each = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+
+        def usage_now() -> Optional[UsageInfo]:  # continuous_usage_stats: on every chunk, as vLLM's
+            return self._usage(prompt_len, ntok, cached) if usage_each else None
+
         try:
             async for _, out in streams:
+                cached = out.num_cached_tokens
                 if not role_sent:  # with the first output (after prefill, as vLLM): TTFT is measured right
                     role_sent = True
                     for k in range(req.n):
                         choice = ChatStreamChoice(index=k, delta=DeltaMessage(role=self.options.response_role,
                                                                               content=""))
                         yield chunks.model_chunk(
-                            [choice], prompt_token_ids=out.prompt_token_ids if req.return_token_ids and k == 0 else None)
+                            [choice], usage_now(),
+                            prompt_token_ids=out.prompt_token_ids if req.return_token_ids and k == 0 else None)
                         if self._chat_echo(req):
                             choice = ChatStreamChoice(index=k, delta=DeltaMessage(content=self._chat_echo(req)))
-                            yield chunks.model_chunk([choice])
-                cached = out.num_cached_tokens
+                            yield chunks.model_chunk([choice], usage_now())
                 for o in out.outputs:
                     if o.index in done or (not o.text and not o.token_ids and o.finish_reason is None):
                         continue
@@ -810,19 +815,19 @@ class OpenAIServing:
                     if reasoning is not None:  # --reasoning-parser: reasoning_content deltas first
                         thought, text = reasoning[o.index].feed(o.text, o.finish_reason is not None)
                         if thought:
-                            yield chunks.model_chunk([ChatStreamChoice(index=o.index,
-                                                                       delta=DeltaMessage(reasoning_content=thought))])
+                            yield chunks.model_chunk([ChatStreamChoice(
+                                index=o.index, delta=DeltaMessage(reasoning_content=thought))], usage_now())
                         if not text and o.finish_reason is None:
                             continue
                     if tools is not None:  # tool calls: content and tool_calls deltas, then the finish
                         for delta in tools[o.index].feed(text, o.finish_reason is not None):
-                            yield chunks.model_chunk([ChatStreamChoice(index=o.index, delta=delta)])
+                            yield chunks.model_chunk([ChatStreamChoice(index=o.index, delta=delta)], usage_now())
                         if o.finish_reason is None:
                             continue
                         reason = tc.finish_reason(plan, tools[o.index].calls, o.finish_reason)
                         choice = ChatStreamChoice(index=o.index, delta=DeltaMessage(), finish_reason=reason,
                                                   stop_reason=o.stop_reason)
-                        yield chunks.model_chunk([choice])
+                        yield chunks.model_chunk([choice], usage_now())
                         continue
                     if not req.logprobs and not req.return_token_ids and not usage_each:  # the usual chunk
                         yield chunks.content(o.index, text, o.finish_reason, o.stop_reason)
@@ -831,10 +836,7 @@ class OpenAIServing:
                                               logprobs=self._chat_lps(req, o.token_ids, o.logprobs),
                                               finish_reason=o.finish_reason, stop_reason=o.stop_reason,
                                               token_ids=list(o.token_ids) if req.return_token_ids else None)
-                    usage = None
-                    if usage_each:
-                        usage = self._usage(prompt_len, ntok, cached)
-                    yield chunks.model_chunk([choice], usage)
+                    yield chunks.model_chunk([choice], usage_now())
             if req.stream_options and req.stream_options.include_usage:
                 usage = self._usage(prompt_len, ntok, cached)
                 yield chunks.model_chunk([], usage)
