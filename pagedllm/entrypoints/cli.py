@@ -138,6 +138,16 @@ def _field_type(f: dataclasses.Field):
     return str
 
 
+class _GivenOnce(argparse.Action):
+    """A flag that may be given once: a second value is an error, not a silent replacement."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        earlier = getattr(namespace, self.dest, None)
+        if earlier is not None and earlier != values:
+            parser.error(f"{option_string} given twice ({earlier} and {values}): a server serves one model")
+        setattr(namespace, self.dest, values)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, exclude: Sequence[str] = ()) -> None:
     """One flag per EngineConfig field (``--max-model-len`` for ``max_model_len``)."""
     group = parser.add_argument_group("engine")
@@ -190,7 +200,8 @@ def _build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     srv.add_argument("model_pos", metavar="MODEL", nargs="?", default=None,
                      help="model directory (default: the embedded tiny-shakespeare)")
-    srv.add_argument("--model", default=None, help="model directory (same as MODEL)")
+    srv.add_argument("--model", default=None, action=_GivenOnce, help="model directory (same as MODEL; one model a "
+                     "server)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env PAGEDLLM_API_KEY)")
@@ -425,6 +436,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from pagedllm.entrypoints.router.data_parallel import watch_parent
 
         watch_parent()  # a data-parallel replica: SIGTERM when its launcher dies
+        if args.model and args.model_pos and args.model != args.model_pos:
+            print(f"pagedllm serve: error: two models given ({args.model_pos} and --model {args.model}): a server "
+                  "serves one model", file=sys.stderr)
+            return 2
         args.model = args.model or args.model_pos
         served_names = list(args.served_model_name or ())  # --served-model-name a b: all routable
         if not args.model and not args.served_model_name:  # the embedded default model

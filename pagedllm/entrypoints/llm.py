@@ -12,7 +12,7 @@ from pagedllm.entrypoints.pooling_api import PoolingAPI
 from pagedllm.heap import old_objects_frozen
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer.tokenizer import apply_chat_template
+from pagedllm.tokenizer.tokenizer import render_chat_prompt
 
 
 class LLM(PoolingAPI):
@@ -105,8 +105,9 @@ class LLM(PoolingAPI):
         conv, images = flatten_messages(conv, processor.placeholder if processor is not None else None,
                                         self.engine.input_processor.media,
                                         self.engine.config.max_images_per_prompt)
-        item: dict[str, Any] = {"prompt_token_ids": apply_chat_template(
-            self.engine.tokenizer, conv, add_generation_prompt, chat_template, **(chat_template_kwargs or {}))}
+        text, ids = render_chat_prompt(self.engine.tokenizer, conv, add_generation_prompt, chat_template,
+                                       **(chat_template_kwargs or {}))
+        item: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}  # the rendered prompt: RequestOutput.prompt
         if images:
             item["multi_modal_data"] = {"image": images}
         return item

@@ -20,6 +20,14 @@ def load_tokenizer(path: str):
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                         chat_template: Optional[str] = None, **kwargs) -> list[int]:
+    """The token ids of the conversation rendered by the chat template."""
+    return render_chat_prompt(tokenizer, messages, add_generation_prompt, chat_template, **kwargs)[1]
+
+
+def render_chat_prompt(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       chat_template: Optional[str] = None, **kwargs) -> tuple[str, list[int]]:
+    """(the rendered prompt, its token ids): the template's text, tokenised without special tokens
+    unless ``add_special_tokens`` (as transformers' ``apply_chat_template(tokenize=True)``)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} objects")
     for i, m in enumerate(messages):
@@ -29,18 +37,11 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], add_generatio
         raise ValueError("this model's tokenizer has no chat template; pass chat_template explicitly")
     continue_final = kwargs.pop("continue_final_message", False)
     add_special = kwargs.pop("add_special_tokens", False)
-    if continue_final or add_special:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final,
-                                             tokenize=False, chat_template=chat_template, **kwargs)
-        if continue_final:
-            text = cut_after_final_message(text, messages)
-        return list(tokenizer.encode(text, add_special_tokens=add_special))
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, chat_template=chat_template, **kwargs
-    )
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt and not continue_final,
+                                         tokenize=False, chat_template=chat_template, **kwargs)
+    if continue_final:
+        text = cut_after_final_message(text, messages)
+    return text, list(tokenizer.encode(text, add_special_tokens=add_special))
 
 
 def cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:

@@ -65,6 +65,16 @@ def test_serve_bad_model_exits_2(tmp_path, capsys):
     assert "model must be a local directory" in capsys.readouterr().err
 
 
+def test_serve_refuses_two_models(tmp_path, capsys):
+    from pagedllm.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(tmp_path / "a"), "--model", str(tmp_path / "b")])
+    assert e.value.code == 2 and "--model given twice" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "a"), "--model", str(tmp_path / "b")]) == 2
+    assert "two models given" in capsys.readouterr().err
+
+
 def _serve(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", model, "--port", str(port),

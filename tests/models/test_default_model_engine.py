@@ -65,4 +65,5 @@ def test_chat_uses_the_template(llm):
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     expected = llm.get_tokenizer().apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert llm.get_tokenizer().decode(out.prompt_token_ids) == expected
+    assert out.prompt == expected  # the rendered prompt, as vLLM's LLM.chat gives it
     assert len(out.outputs[0].token_ids) == 20
