@@ -214,7 +214,15 @@ class EngineConfig:
             raise ValueError(f"kv_offloading_backend must be one of {list(KV_OFFLOADING_BACKENDS)}, got "
                              f"{self.kv_offloading_backend!r}")
         size = self.kv_offloading_size
+        backend = self.kv_offloading_backend
+        if self.kv_offload_dir and (size is None or backend not in ("disk", "native+disk")):
+            raise ValueError(f"kv_offload_dir is the disk tier's directory: it needs kv_offloading_backend 'disk' or "
+                             f"'native+disk' (got {backend!r}) and a kv_offloading_size"
+                             + ("" if size is not None else " (none given)"))
         if size is None:
+            if self.kv_offload_host_size is not None:
+                raise ValueError("kv_offload_host_size is the host part of the KV offload tier: it needs "
+                                 "kv_offloading_size and kv_offloading_backend 'native+disk'")
             return
         if not 0 < size < float("inf"):
             raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size}")
@@ -231,7 +239,6 @@ class EngineConfig:
         if spec is not None and spec.method in ("draft_model", "eagle"):
             raise ValueError(f"kv_offloading_size: the KV offload tier does not keep a draft model's cache; "
                              f"speculative_config method {spec.method!r} is not supported with it yet (use 'ngram')")
-        backend = self.kv_offloading_backend
         if backend in ("disk", "native+disk") and not self.kv_offload_dir:
             raise ValueError(f"kv_offloading_backend {backend!r} needs kv_offload_dir (a directory for the block files)")
         host = self.kv_offload_host_size
@@ -394,6 +401,8 @@ class EngineConfig:
             raise ValueError(f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.max_num_seqs_per_request is not None and self.max_num_seqs_per_request < 1:
+            raise ValueError(f"max_num_seqs_per_request must be >= 1, got {self.max_num_seqs_per_request}")
         if self.runner not in ("auto", "generate", "pooling"):
             raise ValueError(f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         for name in ("structured_max_bytes", "structured_max_depth", "structured_max_alternatives",
@@ -401,8 +410,6 @@ class EngineConfig:
                      "max_pooling_inputs", "max_pooling_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_seqs_per_request is not None and self.max_num_seqs_per_request < 1:
-            raise ValueError(f"max_num_seqs_per_request must be >= 1, got {self.max_num_seqs_per_request}")
         if self.max_pooling_output_values is not None and self.max_pooling_output_values < 1:
             raise ValueError(f"max_pooling_output_values must be >= 1, got {self.max_pooling_output_values}")
         if self.structured_max_queued_compiles < 0 or self.structured_cache_bytes < 0:
@@ -493,6 +500,14 @@ def resolve_max_waiting_requests(config: EngineConfig) -> int:
     return 4 * config.max_num_seqs
 
 
+def resolve_max_num_seqs_per_request(config: EngineConfig) -> int:
+    """Most sequences of one request running at once: the flag (at most max_num_seqs), or a
+    quarter of max_num_seqs."""
+    if config.max_num_seqs_per_request is not None:
+        return min(config.max_num_seqs_per_request, config.max_num_seqs)
+    return max(1, config.max_num_seqs // 4)
+
+
 def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:
     limit = getattr(hf_config, "max_position_embeddings", None) or 2048
     if requested is None:
@@ -500,14 +515,6 @@ def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:
     if requested > limit:
         raise ValueError(f"max_model_len ({requested}) exceeds the model's max_position_embeddings ({limit})")
     return requested
-
-
-def resolve_max_num_seqs_per_request(config: EngineConfig) -> int:
-    """Most sequences of one request running at once: the flag (at most max_num_seqs), or a
-    quarter of max_num_seqs."""
-    if config.max_num_seqs_per_request is not None:
-        return min(config.max_num_seqs_per_request, config.max_num_seqs)
-    return max(1, config.max_num_seqs // 4)
 
 
 def fit_max_model_len(num_blocks: int, block_size: int, max_model_len: int, user_set: bool,

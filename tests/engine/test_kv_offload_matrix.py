@@ -128,6 +128,12 @@ def test_native_disk_flags_are_checked(llama_ckpt, tmp_path):
                      kv_offload_host_size=0.5)
     with pytest.raises(ValueError, match="kv_offload_host_size is the host part"):
         EngineConfig(model=llama_ckpt, kv_offloading_size=1, kv_offload_host_size=0.5)
+    # a directory alone (or with the host-memory backend) would leave the tier off or on the host: refused
+    for kw in ({}, {"kv_offloading_size": 1}, {"kv_offloading_backend": "disk"}):
+        with pytest.raises(ValueError, match="kv_offload_dir is the disk tier's directory"):
+            EngineConfig(model=llama_ckpt, kv_offload_dir=str(tmp_path), **kw)
+    with pytest.raises(ValueError, match="kv_offload_host_size is the host part"):
+        EngineConfig(model=llama_ckpt, kv_offload_host_size=0.5)
 
 
 def test_preemption_with_the_tier(llama_host, llama_off):

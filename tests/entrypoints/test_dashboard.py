@@ -84,6 +84,9 @@ def test_behind_the_api_key(dash):
     page = httpx.get(dash.url + "/dashboard", headers=basic(KEY))
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert 'src="/dashboard/static/dashboard.js"' in page.text and "http" not in page.text.split("<body>")[1]
+    csp = page.headers["content-security-policy"]  # own script and style only, never framed
+    assert "default-src 'none'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert page.headers["x-frame-options"] == "DENY" and page.headers["x-content-type-options"] == "nosniff"
     js = httpx.get(dash.url + "/dashboard/static/dashboard.js", headers={"Authorization": f"Bearer {KEY}"})
     assert js.status_code == 200 and "EventSource" in js.text
     assert httpx.get(dash.url + "/dashboard/static/../api_server.py", headers=basic(KEY)).status_code == 404
