@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pagedllm.multimodal.media import MediaSources, load_image
+from pagedllm.multimodal.media import MediaSources, PixelBudget, load_image
 
 
 class ContentError(ValueError):
@@ -37,8 +37,11 @@ def flatten_messages(messages: list[dict[str, Any]], placeholder: Optional[str],
 
 def flatten_content(parts: list, placeholder: Optional[str], images: list,
                     media: Optional[MediaSources], where: str, max_images: int = 16) -> str:
-    """``images`` receives the loaded images (more than ``max_images`` in all: refused before
-    the next one is decoded); ``media``: where paths and URLs may lead (None: data: URLs only)."""
+    """``images`` receives the loaded images (more than ``max_images`` in all, or more pixels
+    than media.MAX_REQUEST_PIXELS together: refused before the next one is decoded; ``images`` is
+    the request's, shared by the calls for its messages); ``media``: where paths and URLs may lead
+    (None: data: URLs only)."""
+    budget = PixelBudget.after(images)
     texts = []
     for j, part in enumerate(parts):
         param = f"{where}[{j}]"
@@ -61,7 +64,7 @@ def flatten_content(parts: list, placeholder: Optional[str], images: list,
             if not isinstance(source, str):
                 raise ContentError("an image_url part needs {'url': 'data:image/...;base64,...'}", param)
         try:
-            images.append(load_image(source, media))
+            images.append(load_image(source, media, budget))
         except ValueError as e:
             raise ContentError(str(e), param) from None
         texts.append(placeholder)

@@ -3,7 +3,11 @@ preprocessor_config.json: convert to RGB (transparency composited onto white), r
 edge, or an exact height x width) with PIL's filter, center crop, rescale (x 1/255 in float64, then
 float32), normalize ((x - mean) / std in float32). The same steps, in the same order and
 precisions, as transformers' PIL backend, so the pixel values are the reference's
-(tests/models/test_llava.py compares them)."""
+(tests/models/test_llava.py compares them).
+
+An image of an extreme aspect ratio (a 1 x 1,000,000 PNG is a few KB) would resize to a huge one
+the crop then mostly throws away: when the resized image would hold more than
+FULL_RESIZE_MAX_CROPS crops' pixels, only the part the crop keeps is resampled (resize_region)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +20,12 @@ import numpy as np
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# A resized image of up to this many crops' pixels is made whole, by PIL's own resize as the reference
+# does (byte-identical to it up to an aspect ratio of 64:1 when the crop is the short edge squared); a
+# larger one is resampled only where the crop keeps (resize_region: within 1 LSB where PIL's passes
+# run in the same order).
+FULL_RESIZE_MAX_CROPS = 64
+RGB_STRIP_PIXELS = 1 << 20  # to_rgb composites transparency onto white this many pixels at a time
 
 
 def _size(value: Any, what: str) -> tuple[Optional[int], Optional[tuple[int, int]]]:
@@ -91,8 +101,7 @@ class ClipImageProcessor:
         """float32 [3, H, W] pixel values of a PIL image."""
         image = to_rgb(image)
         if self.do_resize:
-            h, w = self._resize_shape(image.height, image.width)
-            image = image.resize((w, h), resample=self.resample)
+            image = self._resize(image)
         x = np.moveaxis(np.asarray(image), -1, 0)  # [3, H, W] uint8
         if self.do_center_crop:
             x = center_crop(x, *self.crop_size)
@@ -104,6 +113,17 @@ class ClipImageProcessor:
             x = ((x.T - mean) / std).T
         return np.ascontiguousarray(x, dtype=np.float32)
 
+    def _resize(self, image):
+        """The RGB image resized; only the part the center crop keeps when the whole would hold
+        more than FULL_RESIZE_MAX_CROPS crops' pixels (the crop then has nothing left to cut along
+        the long axis, and pads the short one as before)."""
+        h, w = self._resize_shape(image.height, image.width)
+        crop_h, crop_w = self.crop_size
+        if not self.do_center_crop or h * w <= FULL_RESIZE_MAX_CROPS * crop_h * crop_w:
+            return image.resize((w, h), resample=self.resample)
+        (top, bottom), (left, right) = _kept_span(h, crop_h), _kept_span(w, crop_w)
+        return resize_region(image, (w, h), (left, top, right, bottom), self.resample)
+
     def _resize_shape(self, height: int, width: int) -> tuple[int, int]:
         if self.resize_to is not None:
             return self.resize_to
@@ -113,14 +133,57 @@ class ClipImageProcessor:
 
 
 def to_rgb(image):
-    """RGB, with any transparency composited onto white (as transformers does)."""
+    """RGB, with any transparency composited onto white (as transformers does), RGB_STRIP_PIXELS
+    at a time: the same pixels, without three full-size RGBA copies (a 4 KB palette PNG with
+    transparency decodes to 32 megapixels)."""
     import PIL.Image
 
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
+    if "A" not in image.getbands() and image.info.get("transparency") is None:
+        return image.convert("RGB")
+    out = PIL.Image.new("RGB", image.size)
+    rows = max(1, RGB_STRIP_PIXELS // image.width)
+    for top in range(0, image.height, rows):
+        rgba = image.crop((0, top, image.width, min(image.height, top + rows))).convert("RGBA")
         white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return PIL.Image.alpha_composite(white, rgba).convert("RGB")
-    return image.convert("RGB")
+        out.paste(PIL.Image.alpha_composite(white, rgba).convert("RGB"), (0, top))
+    return out
+
+
+def _kept_span(size: int, crop: int) -> tuple[int, int]:
+    """[start, end) of an axis of ``size`` pixels that center_crop to ``crop`` keeps (all of it
+    when the crop is larger: it pads)."""
+    start = (size - crop) // 2 if size >= crop else 0
+    return start, start + min(size, crop)
+
+
+def resize_region(image, size: tuple[int, int], region: tuple[int, int, int, int], resample: int):
+    """``image.resize(size, resample).crop(region)`` without making the whole resized image: each
+    kept output pixel samples the source at the same centre with the same filter support (PIL's
+    ``box``), from the source cut to the pixels the filter reaches (so the box's coordinates, which
+    PIL holds as float32, stay small). Equal to the full resize within 1 LSB (the centres' float
+    rounding) when PIL runs its two passes in the same order; the other order rounds and clips the
+    uint8 intermediate differently (up to 38 LSB on noise, 16 on text-like edges). So the passes run
+    one axis at a time, horizontal first: the order PIL's full resize long used, and Pillow 13's for
+    every shape but a tall image shrinking, which it resamples vertically first (Pillow 13 orders a
+    single box resize by the box's own shape, which is why this makes two)."""
+    (src_w, src_h), (w, h) = image.size, size
+    left, top, right, bottom = region
+    scale_x, scale_y = src_w / w, src_h / h
+    x0, x1 = left * scale_x, min(src_w, right * scale_x)
+    y0, y1 = top * scale_y, min(src_h, bottom * scale_y)
+    c0, c1 = _filter_reach(x0, x1, scale_x, src_w)
+    r0, r1 = _filter_reach(y0, y1, scale_y, src_h)
+    rows = image.crop((c0, r0, c1, r1)).resize((right - left, r1 - r0), resample,
+                                                box=(x0 - c0, 0, x1 - c0, r1 - r0))
+    return rows.resize((right - left, bottom - top), resample, box=(0, y0 - r0, right - left, y1 - r0))
+
+
+def _filter_reach(start: float, end: float, scale: float, size: int) -> tuple[int, int]:
+    """[first, last) of the ``size`` source pixels a filter reads for the outputs over source
+    coordinates [start, end), ``scale`` source pixels an output pixel: the widest filter of the
+    configs (Lanczos) reads 3 pixels either side, 3 x scale when it shrinks."""
+    reach = 3 * max(scale, 1.0) + 1
+    return max(0, math.floor(start - reach)), min(size, math.ceil(end + reach))
 
 
 def center_crop(x: np.ndarray, height: int, width: int) -> np.ndarray:

@@ -6,7 +6,10 @@ its class token with the "full" feature strategy), turns each image into the enc
 (image_processor.py) and hashes that input (sha256 of its shape and bytes): the hash keys the KV
 blocks the image's positions fall in (core/block_hash.py), so the prefix cache tells images apart.
 A prompt given as token ids may carry the placeholders unexpanded (one each) or already expanded
-(a run of exactly the image's length)."""
+(a run of exactly the image's length). Adjacent placeholders are adjacent images: a run of k is k
+unexpanded images, or k / num_image_tokens expanded ones where that divides, whichever reading
+gives the prompt as many images as it was given (a tokenizer that drops whitespace joins the
+placeholders of images back to back)."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +19,7 @@ import numpy as np
 
 from pagedllm.core.contracts import MultiModalFeature
 from pagedllm.multimodal.image_processor import ClipImageProcessor
-from pagedllm.multimodal.media import MediaSources, load_image
+from pagedllm.multimodal.media import MediaSources, PixelBudget, load_image
 
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 
@@ -60,18 +63,16 @@ class ImagePromptProcessor:
     def process(self, token_ids: Sequence[int], images: Sequence[Any],
                 media: Optional[MediaSources] = None) -> tuple[list[int], tuple[MultiModalFeature, ...]]:
         """(the expanded token ids, one feature per image in prompt order)."""
-        runs = self._placeholder_runs(token_ids)
-        if len(runs) != len(images):
-            raise ValueError(f"multi_modal_data: the prompt has {len(runs)} image placeholder(s) "
-                             f"({self.placeholder!r}) but {len(images)} image(s) were given")
+        runs = self._placeholder_runs(token_ids, len(images))
         out: list[int] = []
         features = []
         prev = 0
         n = self.num_image_tokens
+        budget = PixelBudget()
         for (start, length), image in zip(runs, images):
             out.extend(token_ids[prev:start])
             try:
-                pixels = self.preprocess(load_image(image, media))
+                pixels = self.preprocess(load_image(image, media, budget))
             except ValueError as e:
                 raise ValueError(f"multi_modal_data: image {len(features)}: {e}") from None
             features.append(MultiModalFeature(len(out), n, content_hash(pixels), pixels))
@@ -80,26 +81,56 @@ class ImagePromptProcessor:
         out.extend(token_ids[prev:])
         return out, tuple(features)
 
-    def _placeholder_runs(self, ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(start, length) of each run of placeholder ids: 1 (to expand) or num_image_tokens."""
-        runs, i, tok = [], 0, self.image_token_id
-        while i < len(ids):
-            if ids[i] != tok:
-                i += 1
-                continue
-            j = i
-            while j < len(ids) and ids[j] == tok:
-                j += 1
-            length = j - i
-            if length == 1 or length == self.num_image_tokens:
-                runs.append((i, length))
-            elif length % self.num_image_tokens == 0:  # images back to back, already expanded
-                runs.extend((k, self.num_image_tokens) for k in range(i, j, self.num_image_tokens))
-            else:
-                raise ValueError(f"the prompt has a run of {length} image placeholder tokens: each image takes one "
-                                 f"(or exactly {self.num_image_tokens}, already expanded)")
-            i = j
-        return runs
+    def _placeholder_runs(self, ids: Sequence[int], num_images: int) -> list[tuple[int, int]]:
+        """(start, length) of each image's placeholders, ``num_images`` of them: each run of
+        placeholder ids read as unexpanded images (1 each) or, where num_image_tokens divides it,
+        as expanded ones; the first reading (expanded before unexpanded, run by run) that comes to
+        ``num_images``. ValueError when none does."""
+        runs = _runs(ids, self.image_token_id)
+        readings = [self._readings(length) for _, length in runs]
+        lengths = _reading_for(runs, readings, num_images)
+        if lengths is None:
+            likely = sum(length // per[0] for (_, length), per in zip(runs, readings))
+            spread = sum(length for _, length in runs)
+            counts = f"{likely}" if spread == likely else f"{likely} (or {spread} unexpanded)"
+            raise ValueError(f"multi_modal_data: the prompt has {counts} image placeholder(s) "
+                             f"({self.placeholder!r}) but {num_images} image(s) were given")
+        return [(k, per) for (i, length), per in zip(runs, lengths) for k in range(i, i + length, per)]
+
+    def _readings(self, length: int) -> tuple[int, ...]:
+        """The placeholders per image a run of ``length`` may be read with, the likelier first."""
+        n = self.num_image_tokens
+        return (n, 1) if n > 1 and length % n == 0 else (1,)
+
+
+def _runs(ids: Sequence[int], tok: int) -> list[tuple[int, int]]:
+    """(start, length) of each maximal run of ``tok`` in ``ids``."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] != tok:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == tok:
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    return runs
+
+
+def _reading_for(runs: list[tuple[int, int]], readings: list[tuple[int, ...]], num_images: int
+                 ) -> Optional[list[int]]:
+    """Placeholders per image for each run (one of its ``readings``) so that the runs hold
+    ``num_images`` images, earlier runs' likelier readings first; None when no choice does."""
+    reach: dict[int, list[int]] = {0: []}  # images so far -> the choices that got there first
+    for (_, length), per_image in zip(runs, readings):
+        step: dict[int, list[int]] = {}
+        for total, chosen in reach.items():
+            for per in per_image:
+                if total + length // per <= num_images:
+                    step.setdefault(total + length // per, chosen + [per])
+        reach = step
+    return reach.get(num_images)
 
 
 def make_image_processor(model_dir: str, hf_config, tokenizer=None, max_images: int = 16
