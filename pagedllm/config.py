@@ -124,7 +124,7 @@ class EngineConfig:
     max_waiting_requests: Optional[int] = None  # sequences waiting beyond max_num_seqs; default 4 x max_num_seqs
     max_n: int = 128  # most sequences (n) one request may ask for
     # most of one request's sequences (n / best_of children) running at once; the others wait their turn,
-    # so a large-n request never holds every slot (None: max_num_seqs // 4, at least 1)
+    # so a large-n request never holds every slot (None: max_num_seqs; `serve` sets max_num_seqs // 4)
     max_num_seqs_per_request: Optional[int] = None
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": ignore it; or a directory
     # CPU settings (defaults may be overridden by the variables listed in envs.py).
@@ -501,11 +501,17 @@ def resolve_max_waiting_requests(config: EngineConfig) -> int:
 
 
 def resolve_max_num_seqs_per_request(config: EngineConfig) -> int:
-    """Most sequences of one request running at once: the flag (at most max_num_seqs), or a
-    quarter of max_num_seqs."""
+    """Most sequences of one request running at once: the field (at most max_num_seqs), or
+    max_num_seqs (an offline batch job is one client: it may take every slot)."""
     if config.max_num_seqs_per_request is not None:
         return min(config.max_num_seqs_per_request, config.max_num_seqs)
-    return max(1, config.max_num_seqs // 4)
+    return config.max_num_seqs
+
+
+def serve_default_max_num_seqs_per_request(max_num_seqs: int) -> int:
+    """The server's share of the running slots one request may hold when the flag is not given:
+    a quarter, so a large-n request leaves room for the other clients."""
+    return max(1, max_num_seqs // 4)
 
 
 def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:

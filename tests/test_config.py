@@ -103,3 +103,14 @@ def test_kv_cache_memory_takes_a_size_with_a_unit():
     assert EngineConfig(kv_cache_memory=4096).kv_cache_memory == 4096
     with pytest.raises(ValueError, match="kv_cache_memory"):
         EngineConfig(kv_cache_memory="lots")
+
+
+def test_one_requests_share_of_the_slots():
+    """Offline a request may take every slot (one client); serve's default leaves 3/4 to others."""
+    import pagedllm.config as config
+
+    assert config.resolve_max_num_seqs_per_request(EngineConfig(max_num_seqs=64)) == 64
+    assert config.resolve_max_num_seqs_per_request(EngineConfig(max_num_seqs=64, max_num_seqs_per_request=999)) == 64
+    assert config.serve_default_max_num_seqs_per_request(128) == 32 and config.serve_default_max_num_seqs_per_request(2) == 1
+    with pytest.raises(ValueError, match="max_num_seqs_per_request"):
+        EngineConfig(max_num_seqs_per_request=0)

@@ -14,7 +14,8 @@ import sys
 from typing import Optional, Sequence
 
 from pagedllm import envs
-from pagedllm.config import EngineConfig, default_model_path, runs_on_cpu, serve_default_max_num_seqs
+from pagedllm.config import (EngineConfig, default_model_path, runs_on_cpu, serve_default_max_num_seqs,
+                             serve_default_max_num_seqs_per_request)
 from pagedllm.config import parse_size as config_parse_size
 from pagedllm.entrypoints.http_guard import HTTP_CHOICES, LOOP_CHOICES
 
@@ -58,7 +59,8 @@ _HELP = {
                             "get 429 with Retry-After (default: 4 x max_num_seqs)",
     "max_n": "most sequences (n) one request may ask for (default 128)",
     "max_num_seqs_per_request": "most sequences of one request (n, best_of) running at once; the rest wait their "
-                                "turn while other requests are scheduled (default: max_num_seqs / 4)",
+                                "turn while other requests are scheduled (default: `serve` max_num_seqs / 4; "
+                                "offline all of max_num_seqs)",
     "max_pooling_inputs": "most inputs one pooling request may carry (/v1/embeddings, /pooling inputs, /score pairs, "
                           "/rerank documents; default 2048); more is a 400",
     "max_pooling_tokens": "most tokens over all the inputs of one pooling request (default 1048576); more is a 400",
@@ -446,6 +448,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.served_model_name = os.path.basename(default_model_path())
         if args.max_num_seqs is None:  # on CPU a smaller running batch (config.CPU_SERVE_MAX_NUM_SEQS)
             args.max_num_seqs = serve_default_max_num_seqs(args.device)
+        if args.max_num_seqs_per_request is None:  # a server's clients share the batch (offline: all slots)
+            args.max_num_seqs_per_request = serve_default_max_num_seqs_per_request(args.max_num_seqs)
         config = engine_config_from_args(args)
         if args.data_parallel_size != 1:
             if args.data_parallel_size < 1:

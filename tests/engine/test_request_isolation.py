@@ -173,9 +173,10 @@ def test_async_failures_never_kill_the_engine(llama_ckpt, prompts, reference, mo
 
 
 def test_a_large_n_request_leaves_slots_for_others(llama_ckpt, prompts):
-    """max_num_seqs 8 (a quarter of it per request): a request of n=8 runs 2 sequences at a time,
-    and a short request sent after it is admitted beside them and finishes long before it."""
-    engine = LLMEngine(EngineConfig(model=llama_ckpt, max_num_seqs=8, **CFG))
+    """max_num_seqs 8, a quarter of it per request (the server's default share): a request of n=8
+    runs 2 sequences at a time, and a short request sent after it is admitted beside them and
+    finishes long before it."""
+    engine = LLMEngine(EngineConfig(model=llama_ckpt, max_num_seqs=8, max_num_seqs_per_request=2, **CFG))
     big = SamplingParams(temperature=0.8, seed=3, n=8, max_tokens=40, ignore_eos=True)
     engine.add_request("big", {"prompt_token_ids": prompts[0]}, big)
     engine.step()
