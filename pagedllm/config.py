@@ -116,8 +116,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # pipeline stages (world = pipeline_parallel_size x tensor_parallel_size)
-    # decoder layers per pipeline stage ("6,6" or [6, 6]); None: env PAGEDLLM_PP_LAYER_PARTITION, else an even split
-    pp_layer_partition: Optional[tuple] = None
+    # decoder layers per pipeline stage ("6,6" or [6, 6]); None: an even split
+    pp_layer_partition: Optional[tuple] = field(default_factory=envs.pp_layer_partition)
     distributed_executor_backend: Optional[str] = None  # "mp" (processes on this machine; default) or "ray"
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps (no effect on CPU)
     served_model_name: Optional[str] = None
@@ -129,6 +129,9 @@ class EngineConfig:
     generation_config: str = "auto"  # "auto": the model's generation_config.json; "vllm": ignore it; or a directory
     # CPU settings (defaults may be overridden by the variables listed in envs.py).
     cpu_kernels: bool = field(default_factory=envs.cpu_kernels_enabled)
+    # the engine core (scheduler, KV cache, model) in a process of its own, the HTTP front end in the other; None:
+    # the server's default (its own process) and LLM's (one process)
+    engine_core_process: Optional[bool] = field(default_factory=envs.engine_core_process)
     # a decode-only step of a Llama-shaped model: every layer in one native call (models/decode_stack.py)
     native_decode: bool = field(default_factory=envs.native_decode)
     kernel_cache_dir: str = field(default_factory=envs.kernel_cache_dir)
@@ -253,9 +256,7 @@ class EngineConfig:
         pp = self.pipeline_parallel_size
         if pp < 1:
             raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
-        part = self.pp_layer_partition
-        if part is None and pp > 1:
-            part = os.environ.get("PAGEDLLM_PP_LAYER_PARTITION") or None
+        part = self.pp_layer_partition if pp > 1 else None
         if isinstance(part, str):
             try:
                 part = [int(x) for x in part.replace(" ", "").split(",") if x]

@@ -36,6 +36,11 @@ def test_cli_flags_reach_the_config(monkeypatch):
                                        "--cpu-threads-bind", "0-1", "--no-cpu-keep-freed-memory"])
     c = engine_config_from_args(args)
     assert (c.cpu_kernels, c.cpu_threads, c.cpu_threads_bind, c.cpu_keep_freed_memory) == (False, 2, "0-1", False)
+    assert c.engine_core_process is None  # each entry point's default: the server's own process, LLM's one
+    c = engine_config_from_args(_build_parser().parse_args(["serve", "--no-engine-core-process"]))
+    assert c.engine_core_process is False
+    monkeypatch.setenv("PAGEDLLM_ENGINE_CORE_PROCESS", "0")
+    assert EngineConfig().engine_core_process is False
 
 
 def test_bad_thread_settings_name_the_field(monkeypatch):

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any, Callable, Optional, Sequence
 
+from pagedllm import envs
 from pagedllm.bench.datasets import DATASETS
 
 KINDS = ("serve", "throughput", "latency", "compare")
@@ -142,7 +143,7 @@ def _serve(args, argv) -> int:
 
         _plot(_pyplot)  # fail before the run, not after it
     args.base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
-    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("PAGEDLLM_API_KEY")
+    args.api_key = args.api_key or envs.openai_api_key() or envs.api_key()
     tokenizer = load_tokenizer(args.tokenizer)
     reqs = sample_requests(args, tokenizer)
     before = _load_average()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from pagedllm.config import EngineConfig, resolve_max_waiting_requests
-from pagedllm.engine.core_client import EngineDeadError, default_multiprocess  # noqa: F401 (re-exported)
+from pagedllm.engine.core_client import EngineDeadError, core_in_own_process  # noqa: F401 (re-exported)
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import OUTPUT_DELTA, LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -79,14 +79,15 @@ def _deliver(batch: dict) -> None:
 
 
 class AsyncLLM:
-    """``multiprocess`` (when it builds the engine): the core in its own process; default on
-    unless PAGEDLLM_ENGINE_CORE_PROCESS=0."""
+    """``multiprocess`` (when it builds the engine): the core in its own process; None:
+    EngineConfig.engine_core_process, whose default here is on."""
 
     def __init__(self, config: EngineConfig, engine: Optional[LLMEngine] = None,
                  multiprocess: Optional[bool] = None, skip_tokenizer_init: bool = False) -> None:
         self.config = config
         self.engine = engine or LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init,
-                                          multiprocess=default_multiprocess() if multiprocess is None else multiprocess)
+                                          multiprocess=core_in_own_process(config, server=True)
+                                          if multiprocess is None else multiprocess)
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.input_processor = self.engine.input_processor

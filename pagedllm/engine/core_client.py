@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import logging
 import multiprocessing
-import os
 import pickle
 import socket
 import threading
@@ -408,7 +407,7 @@ def make_engine_core_client(config, hf_config, tokenizer, eos_token_ids, skip_to
     return InprocClient(EngineCore(config, hf_config, tokenizer, eos_token_ids, executor_factory))
 
 
-def default_multiprocess() -> bool:
-    """Whether AsyncLLM (the server) runs the core in its own process: on unless
-    PAGEDLLM_ENGINE_CORE_PROCESS=0."""
-    return os.environ.get("PAGEDLLM_ENGINE_CORE_PROCESS", "1") not in ("0", "false", "no")
+def core_in_own_process(config, server: bool) -> bool:
+    """Whether the engine core runs in a process of its own: EngineConfig.engine_core_process, or
+    by default yes for the server (AsyncLLM) and no offline (LLM)."""
+    return server if config.engine_core_process is None else config.engine_core_process

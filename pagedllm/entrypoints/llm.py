@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.beam_search import BeamSearchOutput, BeamSearchParams, to_beam_search_output
+from pagedllm.engine.core_client import core_in_own_process
 from pagedllm.engine.llm_engine import OUTPUT_FINAL, LLMEngine
 from pagedllm.engine.pooling_engine import PoolingEngine, wants_pooling
 from pagedllm.entrypoints.pooling_api import PoolingAPI
@@ -22,10 +23,10 @@ class LLM(PoolingAPI):
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))  # doctest: +SKIP
     """
 
-    def __init__(self, model: Optional[str] = None, skip_tokenizer_init: bool = False,
-                 engine_core_process: bool = False, **kwargs: Any) -> None:
-        """``engine_core_process``: run the engine core (scheduler, KV cache, model) in a process
-        of its own, as the server does (here the default is one process)."""
+    def __init__(self, model: Optional[str] = None, skip_tokenizer_init: bool = False, **kwargs: Any) -> None:
+        """``kwargs``: EngineConfig fields; ``engine_core_process=True`` runs the engine core
+        (scheduler, KV cache, model) in a process of its own, as the server does (here the
+        default is one process)."""
         if "kv_cache_space" in kwargs:  # vLLM CPU spelling, in GiB
             kwargs["kv_cache_memory"] = int(kwargs.pop("kv_cache_space") * 1024**3)
         config = EngineConfig(**kwargs) if model is None else EngineConfig(model=model, **kwargs)
@@ -35,7 +36,8 @@ class LLM(PoolingAPI):
             self.pooling = PoolingEngine(config)
             self.engine = None
             return
-        self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init, multiprocess=engine_core_process)
+        self.engine = LLMEngine(config, skip_tokenizer_init=skip_tokenizer_init,
+                                multiprocess=core_in_own_process(config, server=False))
 
     def _generating(self) -> LLMEngine:
         if self.engine is None:

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm import envs
 from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def _build_worker(config, hf_config, max_model_len, max_num_batched_tokens, rank
 
     device = resolve_device(config.device)
     if device.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = envs.local_rank(rank)
         if local >= torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size needs a GPU per rank; only {torch.cuda.device_count()} visible")
         torch.cuda.set_device(local)
@@ -194,14 +195,14 @@ class MultiprocExecutor:
         self._in_flight = 0
         self.procs = []
         args = (config, hf_config, max_model_len, max_num_batched_tokens)
-        launched_by_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        torchrun = envs.torchrun_rank()
         store = None
         self._teardown = weakref.finalize(self, _teardown, self.procs)
-        if launched_by_torchrun:
-            if int(os.environ["WORLD_SIZE"]) != world:
-                raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} but tensor_parallel_size x "
+        if torchrun is not None:
+            if torchrun[1] != world:
+                raise ValueError(f"WORLD_SIZE={torchrun[1]} but tensor_parallel_size x "
                                  f"pipeline_parallel_size = {world}")
-            if int(os.environ["RANK"]) != 0:
+            if torchrun[0] != 0:
                 raise RuntimeError("only rank 0 builds the engine; other ranks run run_worker_rank")
         else:
             if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()):
@@ -371,7 +372,8 @@ class MultiprocExecutor:
 
 def launched_as_worker_rank() -> bool:
     """True in a torchrun-launched process whose rank is not 0 (it serves no API, only steps)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("RANK", "0")) != 0
+    torchrun = envs.torchrun_rank()
+    return torchrun is not None and torchrun[0] != 0
 
 
 def serve_as_worker_rank(config) -> None:
@@ -385,5 +387,6 @@ def serve_as_worker_rank(config) -> None:
 
     hf_config = load_hf_config(config.model)
     max_model_len = resolve_max_model_len(hf_config, config.max_model_len)
+    rank, world = envs.torchrun_rank()
     run_worker_rank(config, hf_config, max_model_len, resolve_max_num_batched_tokens(config, max_model_len),
-                    int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+                    rank, world)

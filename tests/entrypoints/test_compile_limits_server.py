@@ -25,12 +25,10 @@ def live(default_model):
     # The core in this process and compiles on its threads, so the tests can stall them (a core
     # process compiles in its own manager the same way: test_structured_server.py; compile
     # worker processes: tests/structured_output/test_compile_process.py)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_ENGINE_CORE_PROCESS", "0")
-        server = start_live(EngineConfig(model=default_model, served_model_name="tiny", structured_compile_workers=1,
-                                         structured_max_queued_compiles=1, structured_compile_timeout=1.0, max_tools=8,
-                                         structured_compile_isolation="thread",
-                                         **dict(ENGINE_KW, kv_cache_memory=32 << 20)))
+    server = start_live(EngineConfig(model=default_model, served_model_name="tiny", structured_compile_workers=1,
+                                     structured_max_queued_compiles=1, structured_compile_timeout=1.0, max_tools=8,
+                                     structured_compile_isolation="thread", engine_core_process=False,
+                                     **dict(ENGINE_KW, kv_cache_memory=32 << 20)))
     yield server
     server.stop()
 

@@ -39,7 +39,6 @@ from pagedllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-_PARENT_PIPE_ENV = "PAGEDLLM_PARENT_PIPE_FD"  # set for a replica: the read end of its parent's pipe
 _NOT_FORWARDED = {"data_parallel_size", "host", "port", "model_pos", "model", "api_key", "cpu_threads_bind", "cpu_threads", "routing",
                   "router_index_blocks", "router_max_load_imbalance", "router_min_prefix_ratio", "router_health_interval", "router_retry_max",
                   "help", "version"}
@@ -128,7 +127,7 @@ def watch_parent() -> None:
     dies -- its pipe reaches EOF (any OS), or PR_SET_PDEATHSIG fires (Linux)."""
     import signal
 
-    fd = os.environ.pop(_PARENT_PIPE_ENV, None)
+    fd = envs.take_parent_pipe_fd()
     if fd is None:
         return
     try:
@@ -140,7 +139,7 @@ def watch_parent() -> None:
 
     def wait_for_eof() -> None:
         try:
-            while os.read(int(fd), 1):
+            while os.read(fd, 1):
                 pass
         except OSError:
             pass
@@ -160,7 +159,7 @@ class Replicas:
         for cmd, extra in zip(commands, envs_):
             read_end, write_end = os.pipe()
             try:
-                self.procs.append(subprocess.Popen(cmd, env={**os.environ, **extra, _PARENT_PIPE_ENV: str(read_end)},
+                self.procs.append(subprocess.Popen(cmd, env={**os.environ, **extra, envs.PARENT_PIPE_FD: str(read_end)},
                                                    pass_fds=(read_end,)))
             finally:
                 os.close(read_end)
