@@ -58,8 +58,6 @@ class EngineCore:
         # for the same requests; else steps kept in flight as micro-batches: one per pipeline
         # stage, or what an asynchronous executor runs at once (executor/simulated.py).
         self.async_scheduling = config.async_scheduling
-        if self.async_scheduling and not hasattr(self.executor, "submit"):
-            raise ValueError(f"async_scheduling: {type(self.executor).__name__} cannot run a step in the background")
         self.batch_depth = 2 if self.async_scheduling else self.executor.max_concurrent_batches
         tier_spec = self.executor.kv_tier_spec
         tier = (KVTier(tier_spec.num_slots, tier_spec.bytes_per_block, tier_spec.backend) if tier_spec is not None

@@ -5,10 +5,10 @@ count across ranks), runs one step per ``execute`` and returns the driver rank's
 implementations (``UniprocExecutor``, ``MultiprocExecutor``) satisfy this Protocol
 structurally; a test checks their names and signatures against it.
 
-Pipeline parallelism: the executors that run stages (``MultiprocExecutor``, ``RayExecutor``)
-also have ``submit(scheduler_output)`` (start a step without waiting for it) and
-``collect() -> ModelRunnerOutput`` (the oldest submitted step's output); the engine keeps up to
-pipeline_parallel_size steps in flight through them (engine/core.py).
+Steps in flight: every executor also has ``submit(scheduler_output)`` (start a step without
+waiting for it) and ``collect() -> ModelRunnerOutput`` (the oldest submitted step's output); the
+engine keeps up to max_concurrent_batches steps (pipeline stages), or two under async
+scheduling, in flight through them (engine/core.py).
 """
 from __future__ import annotations
 
@@ -51,6 +51,14 @@ class Executor(Protocol):
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; the result is the driver rank's (with its logprobs).
         The step's structured-output masks (``scheduler_output.grammar``) go to the sampling rank only."""
+        ...
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start one step on every rank without waiting for it (``collect`` returns its output)."""
+        ...
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's output (the driver rank's), waiting for it."""
         ...
 
     def idle_work(self, seconds: float) -> bool:

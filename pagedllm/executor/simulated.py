@@ -25,7 +25,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Optional
 
-from pagedllm.core.contracts import ModelRunnerOutput, SchedulerOutput
+from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
 
 
 class FakeDeviceModel:
@@ -71,8 +71,13 @@ class FakeDeviceModel:
 
 
 class SimulatedDeviceExecutor:
+    num_blocks: int
+    max_model_len: int
+    sliding_window: Optional[int]
+    kv_tier_spec: Optional[KVTierSpec]
+    max_concurrent_batches: int
     is_dead = False
-    dead_reason = None
+    dead_reason: Optional[str] = None
 
     def __init__(self, num_blocks: int, max_model_len: int, device_seconds: float, host_seconds: float = 0.0,
                  inner=None, vocab_size: int = 1024, max_concurrent_batches: int = 1) -> None:
@@ -81,7 +86,7 @@ class SimulatedDeviceExecutor:
         self.model = inner if inner is not None else FakeDeviceModel(vocab_size)
         self.num_blocks = inner.num_blocks if inner is not None else num_blocks
         self.max_model_len = inner.max_model_len if inner is not None else max_model_len
-        self.sliding_window: Optional[int] = inner.sliding_window if inner is not None else None
+        self.sliding_window = inner.sliding_window if inner is not None else None
         self.kv_tier_spec = inner.kv_tier_spec if inner is not None else None
         self.device_seconds = device_seconds
         self.host_seconds = host_seconds

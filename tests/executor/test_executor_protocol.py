@@ -9,10 +9,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.executor.base import Executor
 from pagedllm.executor.multiproc import MultiprocExecutor
 from pagedllm.executor.ray_executor import RayExecutor
+from pagedllm.executor.simulated import SimulatedDeviceExecutor
 from pagedllm.executor.uniproc import UniprocExecutor
 
 MEMBERS = {"num_blocks", "max_model_len", "sliding_window", "num_forward_tokens", "weight_bytes_per_rank", "is_dead", "execute", "shutdown",
-           "kv_tier_spec", "dead_reason", "max_concurrent_batches", "idle_work"}
+           "kv_tier_spec", "dead_reason", "max_concurrent_batches", "idle_work",
+           "submit", "collect"}
 
 
 def protocol_members():
@@ -23,7 +25,7 @@ def test_protocol_names_what_the_engine_needs():
     assert protocol_members() == MEMBERS
 
 
-@pytest.mark.parametrize("cls", [UniprocExecutor, MultiprocExecutor, RayExecutor])
+@pytest.mark.parametrize("cls", [UniprocExecutor, MultiprocExecutor, RayExecutor, SimulatedDeviceExecutor])
 def test_executor_class_satisfies_protocol(cls):
     for name in sorted(protocol_members()):
         want = inspect.getattr_static(Executor, name, None)
