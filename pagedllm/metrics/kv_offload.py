@@ -7,6 +7,8 @@ carry vLLM's label set (model and engine index), ours the model name only, as in
 """
 from __future__ import annotations
 
+from pagedllm.metrics import counter_delta
+
 _COPY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -37,7 +39,7 @@ class KVOffloadMetrics:
     def update(self, stats, last) -> None:
         """Advance by the difference between two KVTierStats snapshots (``last`` None: since start)."""
         def delta(name):
-            return max(0, getattr(stats, name) - (getattr(last, name) if last is not None else 0))
+            return counter_delta(stats, last, name)
 
         self.queries.inc(delta("lookup_tokens"))
         self.hits.inc(delta("hit_tokens"))

@@ -13,6 +13,8 @@ engine_step_seconds, engine_step_phase_seconds, engine_dead, kv_cache_capacity_t
 """
 from __future__ import annotations
 
+from pagedllm.metrics import counter_delta
+
 import threading
 import time
 from typing import Optional
@@ -113,6 +115,7 @@ class PrometheusMetrics:
         self._lora_info = None  # vLLM's lora_requests_info, when the engine serves LoRA adapters
         self._lora_labels = None
         self._gaps_source = None  # the AsyncLLM whose last_token_gaps (inter-token latencies) on_step reads
+        self._kv_capacity = self._kv_info = None  # kv_cache_capacity_tokens, cache_config_info (set_kv_cache_info)
 
     def _request_families(self):
         if self.families is None:
@@ -128,25 +131,21 @@ class PrometheusMetrics:
         one engine) and take its current snapshot."""
         from pagedllm.metrics.engine_callbacks import chain_engine_callbacks
 
-        max_model_len = getattr(engine, "max_model_len", None)
-        if self.families is None and isinstance(max_model_len, int):
-            self._max_model_len = max_model_len
+        if self.families is None:
+            self._max_model_len = engine.max_model_len
         families = self._request_families()  # before the callbacks can run on the engine thread
-        if getattr(engine, "stats", None) is not None:
-            families.on_step(engine.stats)  # the step-token baseline (iteration_tokens_total)
-        if hasattr(engine, "last_token_gaps"):  # AsyncLLM: the gaps between a request's outputs (ITL)
-            self._gaps_source = engine
+        families.on_step(engine.stats)  # the step-token baseline (iteration_tokens_total)
+        self._gaps_source = engine  # the gaps between a request's outputs (ITL), read every step
         chain_engine_callbacks(engine, self.on_step, self.on_finished)
-        if hasattr(engine, "on_step_phases"):  # AsyncLLM: per-phase step timings (test doubles may lack it)
-            prev_phases = engine.on_step_phases
+        prev_phases = engine.on_step_phases  # per-phase step timings
 
-            def on_step_phases(timing, output_seconds: float) -> None:
-                self.on_step_phases(timing, output_seconds)
-                prev_phases(timing, output_seconds)
+        def on_step_phases(timing, output_seconds: float) -> None:
+            self.on_step_phases(timing, output_seconds)
+            prev_phases(timing, output_seconds)
 
-            engine.on_step_phases = on_step_phases if prev_phases is not None else self.on_step_phases
-        config = getattr(engine, "config", None)
-        if getattr(config, "enable_lora", False) and self._lora_info is None:
+        engine.on_step_phases = on_step_phases if prev_phases is not None else self.on_step_phases
+        config = engine.config
+        if config.enable_lora and self._lora_info is None:
             from prometheus_client import Gauge
 
             self._lora_info = Gauge(f"{self._prefix}:lora_requests_info", "Running stats on LoRA requests: the "
@@ -154,10 +153,8 @@ class PrometheusMetrics:
                                     "time of the last change.", ["max_lora", "waiting_lora_adapters",
                                                                  "running_lora_adapters"], registry=self.registry)
             self._max_lora = str(config.max_loras)
-        stats = getattr(engine, "stats", None)
-        if config is not None and stats is not None:
-            self.set_kv_cache_info(getattr(config, "kv_cache_dtype", "auto"), config.block_size, stats.num_total_blocks,
-                                   bool(getattr(config, "enable_prefix_caching", False)))
+        self.set_kv_cache_info(config.kv_cache_dtype, config.block_size, engine.stats.num_total_blocks,
+                               config.enable_prefix_caching)
         self.update_stats(engine.stats)
 
     def set_kv_cache_info(self, kv_cache_dtype: str, block_size: int, num_blocks: int,
@@ -166,7 +163,7 @@ class PrometheusMetrics:
         KV cache configuration as labels, under vLLM's CacheConfig field names)."""
         from prometheus_client import Gauge
 
-        if getattr(self, "_kv_capacity", None) is None:
+        if self._kv_capacity is None:
             self._kv_capacity = Gauge(f"{self._prefix}:kv_cache_capacity_tokens", "Tokens the KV cache holds "
                                       "(blocks x block size; 8-bit kv_cache_dtype holds ~2x).", ["model_name"],
                                       registry=self.registry).labels(self._model_name)
@@ -197,7 +194,7 @@ class PrometheusMetrics:
             last = self._last
 
             def delta(name):
-                return max(0, getattr(stats, name) - (getattr(last, name) if last is not None else 0))
+                return counter_delta(stats, last, name)
 
             hits = delta("prefix_cache_hits")
             self.prefix_queries.inc(delta("prefix_cache_queries"))

@@ -10,6 +10,8 @@ verification step of a drafted request).
 """
 from __future__ import annotations
 
+from pagedllm.metrics import counter_delta
+
 
 class SpecDecodeMetrics:
     def __init__(self, registry, prefix: str, labels: tuple[str, ...], values: tuple[str, ...]) -> None:
@@ -36,7 +38,7 @@ class SpecDecodeMetrics:
     def update(self, stats, last) -> None:
         """Advance the counters by the difference between two SchedulerStats snapshots."""
         def delta(name):
-            return max(0, getattr(stats, name) - (getattr(last, name) if last is not None else 0))
+            return counter_delta(stats, last, name)
 
         drafts, accepted = delta("spec_num_drafts"), delta("spec_num_accepted_tokens")
         self.num_drafts.inc(drafts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,7 +66,7 @@ class GapsEngine:
     def __init__(self):
         self.on_step = self.on_finished = self.on_step_phases = None
         self.stats, self.max_model_len, self.last_token_gaps = stats(), 1024, []
-        self.config = None
+        self.config = SimpleNamespace(enable_lora=False, kv_cache_dtype="auto", block_size=16, enable_prefix_caching=True)
 
 
 def fed_metrics(max_model_len: int):
@@ -74,8 +75,7 @@ def fed_metrics(max_model_len: int):
     pm = PrometheusMetrics("m", prefix="vllm")
     engine = GapsEngine()
     engine.max_model_len = max_model_len
-    pm.attach(engine)
-    pm.set_kv_cache_info("auto", 16, 8, True)
+    pm.attach(engine)  # cache_config_info from its config: 8 blocks of 16, prefix caching on
     engine.last_token_gaps = [0.02, 0.03, 0.5]
     pm.on_step(stats(num_scheduled_tokens_total=27), 0.01)
     out = RequestOutput("r", None, [1, 2, 3, 4], None, [CompletionOutput(0, "abc", [5, 6, 7, 8, 9], None, None,
