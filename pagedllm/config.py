@@ -409,8 +409,9 @@ class EngineConfig:
         for name in ("structured_max_bytes", "structured_max_depth", "structured_max_alternatives",
                      "structured_compile_workers", "max_tools", "max_logprob_entries", "max_registered_loras",
                      "max_pooling_inputs", "max_pooling_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_pooling_output_values is not None and self.max_pooling_output_values < 1:
             raise ValueError(f"max_pooling_output_values must be >= 1, got {self.max_pooling_output_values}")
         if self.structured_max_queued_compiles < 0 or self.structured_cache_bytes < 0:
@@ -515,8 +516,22 @@ def serve_default_max_num_seqs_per_request(max_num_seqs: int) -> int:
     return max(1, max_num_seqs // 4)
 
 
+def hf_field(hf_config, name: str, default=None):
+    """A field a checkpoint's config may lack (the light JsonConfig carries its architecture's
+    defaults only, a transformers config its own class's fields): its value, else ``default``."""
+    return getattr(hf_config, name, default)
+
+
+def attention_heads(hf_config) -> tuple[int, int, int]:
+    """A decoder config's (heads, kv_heads, head_dim): num_key_value_heads defaults to the heads
+    (multi-head attention), head_dim to hidden_size / heads."""
+    heads = hf_config.num_attention_heads
+    kv_heads = hf_field(hf_config, "num_key_value_heads") or heads
+    return heads, kv_heads, hf_field(hf_config, "head_dim") or hf_config.hidden_size // heads
+
+
 def resolve_max_model_len(hf_config, requested: Optional[int]) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None) or 2048
+    limit = hf_field(hf_config, "max_position_embeddings") or 2048
     if requested is None:
         return int(limit)
     if requested > limit:

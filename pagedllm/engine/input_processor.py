@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from pagedllm.config import hf_field
 from pagedllm.core.engine_request import BeamSpec, EngineCoreRequest, EngineLimits
 from pagedllm.engine.best_of import child_params, uses_best_of
 from pagedllm.sampling_params import SamplingParams
@@ -253,7 +254,7 @@ def eos_token_ids(model_dir: str, hf_config, tokenizer) -> list[int]:
     except Exception:
         pass
     if not ids:
-        e = getattr(hf_config, "eos_token_id", None)
+        e = hf_field(hf_config, "eos_token_id")
         if e is None and tokenizer is not None:
             e = tokenizer.eos_token_id
         if e is not None:

@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from pagedllm.config import EngineConfig, resolve_max_model_len, resolve_max_num_batched_tokens
+from pagedllm.config import EngineConfig, hf_field, resolve_max_model_len, resolve_max_num_batched_tokens
 from pagedllm.models.config_json import load_hf_config
 from pagedllm.models.pooler_config import load_pooler_config
 from pagedllm.worker.pooling_runner import PoolingRunner, classifier_scores, is_pooling_architecture, pool
@@ -32,7 +32,7 @@ def wants_pooling(config: EngineConfig, hf_config=None) -> bool:
     if config.runner != "auto":
         return config.runner == "pooling"
     hf_config = hf_config if hf_config is not None else load_hf_config(config.model)
-    return any(is_pooling_architecture(a) for a in (getattr(hf_config, "architectures", None) or []))
+    return any(is_pooling_architecture(a) for a in (hf_field(hf_config, "architectures") or []))
 
 
 class RequestLimitError(ValueError):
@@ -118,7 +118,7 @@ class PoolingEngine:
         self.config = config
         self.hf_config = hf_config = load_hf_config(config.model)
         limit = resolve_max_model_len(hf_config, config.max_model_len)
-        if getattr(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):  # positions from pad_token_id + 1
+        if hf_field(hf_config, "model_type", "") in ("xlm-roberta", "roberta"):  # positions from pad_token_id + 1
             limit = min(limit, hf_config.max_position_embeddings - hf_config.pad_token_id - 1)
         self.max_model_len = limit
         self.max_num_batched_tokens = max(resolve_max_num_batched_tokens(config, limit), limit)
@@ -173,7 +173,7 @@ class PoolingEngine:
         kw = {"truncation": True, "max_length": truncate} if truncate is not None else {}
         enc = self.tokenizer(a, b, add_special_tokens=True, return_token_type_ids=self.uses_token_types, **kw)
         ids = self._check_length(enc["input_ids"], "text")
-        if not self.uses_token_types or (getattr(self.hf_config, "type_vocab_size", 2) or 1) < 2:
+        if not self.uses_token_types or (hf_field(self.hf_config, "type_vocab_size", 2) or 1) < 2:
             return ids, [0] * len(ids)  # XLM-RoBERTa: one segment embedding
         return ids, list(enc["token_type_ids"])
 

@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from pagedllm import envs
+from pagedllm.config import hf_field
 from pagedllm.core.contracts import KVTierSpec, ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class MultiprocExecutor:
         heads = hf_config.num_attention_heads
         if heads % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({heads})")
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        kv_heads = hf_field(hf_config, "num_key_value_heads") or heads
         if kv_heads % tp and tp % kv_heads:
             raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide one another")
         if self.pp_size > 1:

@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from pagedllm.config import attention_heads, hf_field
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -43,14 +45,12 @@ class ModelLoRALayout:
 
     @staticmethod
     def from_hf_config(hf_config) -> "ModelLoRALayout":
-        model_type = getattr(hf_config, "model_type", "")
+        model_type = hf_field(hf_config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"LoRA adapters are supported on {', '.join(SUPPORTED_MODEL_TYPES)} checkpoints; this "
                              f"model is {model_type!r}")
         hidden = hf_config.hidden_size
-        heads = hf_config.num_attention_heads
-        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+        heads, kv_heads, head_dim = attention_heads(hf_config)
         inter = hf_config.intermediate_size
         shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
                   "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from pagedllm.config import hf_field
 from pagedllm.core.contracts import MultiModalFeature
 from pagedllm.multimodal.image_processor import ClipImageProcessor
 from pagedllm.multimodal.media import MediaSources, PixelBudget, load_image
@@ -137,7 +138,7 @@ def make_image_processor(model_dir: str, hf_config, tokenizer=None, max_images: 
                          ) -> Optional[ImagePromptProcessor]:
     """The model's ImagePromptProcessor (at most ``max_images`` a prompt), or None for a model that
     takes no images."""
-    archs = getattr(hf_config, "architectures", None) or []
+    archs = hf_field(hf_config, "architectures") or []
     if not any(a in MULTIMODAL_ARCHITECTURES for a in archs):
         return None
     vision = hf_config.vision_config

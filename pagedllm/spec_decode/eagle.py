@@ -41,6 +41,7 @@ import torch
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.forward_context import set_attention_metadata
+from pagedllm.config import hf_field
 from pagedllm.models.config_json import load_hf_config
 from pagedllm.models.eagle import EagleHead, eagle_checkpoint_names
 from pagedllm.spec_decode.paged_drafter import PagedDrafter
@@ -63,11 +64,12 @@ class EagleProposer(PagedDrafter):
         self.max_pending = self.MAX_PENDING
         self.target = target
         hf = load_hf_config(path)
-        for field in ("hidden_size", "vocab_size"):
-            if getattr(hf, field) != getattr(target_config, field):
-                raise ValueError(f"speculative_config.model {path!r}: EAGLE head {field} {getattr(hf, field)} != the "
-                                 f"target's {getattr(target_config, field)} (a head is trained for one target)")
-        if getattr(hf, "num_hidden_layers", 0) < 1:
+        for field, head_value, target_value in (("hidden_size", hf.hidden_size, target_config.hidden_size),
+                                                ("vocab_size", hf.vocab_size, target_config.vocab_size)):
+            if head_value != target_value:
+                raise ValueError(f"speculative_config.model {path!r}: EAGLE head {field} {head_value} != the "
+                                 f"target's {target_value} (a head is trained for one target)")
+        if hf_field(hf, "num_hidden_layers", 0) < 1:
             raise ValueError(f"speculative_config.model {path!r}: an EAGLE head needs num_hidden_layers >= 1")
         names = eagle_checkpoint_names(path)
         if "fc.weight" not in names:

@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from pagedllm.config import attention_heads, hf_field
+
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a huge page-rounded number
 
 
@@ -137,10 +139,8 @@ def estimate_activation_bytes(hf_config, num_tokens: int, max_num_seqs: int, ele
     (no C++ kernels) also one query chunk's scores (256 positions) against the longest context.
     Doubled for temporaries and the allocator."""
     h = hf_config.hidden_size
-    inter = getattr(hf_config, "intermediate_size", None) or 4 * h
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    inter = hf_field(hf_config, "intermediate_size") or 4 * h
+    heads, kv_heads, head_dim = attention_heads(hf_config)
     per_token = 5 * h + (2 * heads + 2 * kv_heads) * head_dim // tp + 3 * inter // tp
     logits = min(num_tokens, max_num_seqs) * hf_config.vocab_size * 4 * 2
     scores = min(256, num_tokens) * max(1, heads // tp) * max_model_len * 4 * 2 if torch_attention else 0

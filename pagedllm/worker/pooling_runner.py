@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionMetadata
 from pagedllm.attention.forward_context import set_attention_metadata
+from pagedllm.config import hf_field
 from pagedllm.models.bert import CLASSIFIER_ARCHS, ENCODER_ARCHS, EncoderBatch, build_encoder, load_encoder
 from pagedllm.models.loader import iterate_weights
 from pagedllm.models.pooler_config import PoolerConfig
@@ -50,12 +51,12 @@ class PoolingRunner:
                              "must be 1")
         set_tp_group(TPGroup())
         set_pp_group(PPGroup())
-        self.arch = (getattr(hf_config, "architectures", None) or ["?"])[0]
+        self.arch = (hf_field(hf_config, "architectures") or ["?"])[0]
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.is_encoder = is_pooling_architecture(self.arch)
         self.is_classifier = self.arch in CLASSIFIER_ARCHS
-        self.num_labels = int(getattr(hf_config, "num_labels", 0) or 0) if self.is_classifier else 0
+        self.num_labels = int(hf_field(hf_config, "num_labels", 0) or 0) if self.is_classifier else 0
         self.device = resolve_device(config.device)
         if self.is_encoder:
             self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
