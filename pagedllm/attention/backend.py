@@ -74,6 +74,7 @@ class AttentionImpl(Protocol):
 
 class AttentionBackend(Protocol):
     name: str
+    kv_cache_dtypes: tuple[str, ...]  # the kv_cache_dtype values its impls run ("auto" and the 8-bit ones)
 
     @staticmethod
     def make_impl(

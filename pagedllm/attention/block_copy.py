@@ -32,9 +32,8 @@ def layer_cache_planes(layers) -> list[torch.Tensor]:
     out = []
     for layer in layers:
         out.append(_two_leading(layer.kv_cache, 4))
-        scales = getattr(layer, "kv_scales", None)
-        if scales is not None:
-            out.append(_two_leading(scales, 3))
+        if layer.kv_scales is not None:
+            out.append(_two_leading(layer.kv_scales, 3))
     return out
 
 

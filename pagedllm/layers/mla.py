@@ -15,6 +15,7 @@ from pagedllm.attention.torch_mla import mla_attention
 class MLAAttention(nn.Module):
     kv_planes = 1  # the worker allocates one plane per layer, not K and V
     sliding_window: Optional[int] = None  # attends to the whole context
+    kv_scales: Optional[torch.Tensor] = None  # no 8-bit cache for the latent (the worker refuses one)
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float) -> None:
         super().__init__()
@@ -26,10 +27,10 @@ class MLAAttention(nn.Module):
         self.kv_cache: Optional[torch.Tensor] = None
 
     def bind(self, backend, kv_cache: torch.Tensor) -> None:
-        if getattr(backend, "name", None) != "torch_native":
+        if backend.name != "torch_native":
             raise NotImplementedError(
                 f"multi-head latent attention (DeepSeek) runs on the torch_native backend (CPU) only; the "
-                f"{getattr(backend, 'name', backend)} backend has no MLA path yet")
+                f"{backend.name} backend has no MLA path yet")
         self.kv_cache = kv_cache[0]  # [num_blocks, block_size, 1, R + dr]
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:

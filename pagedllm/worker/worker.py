@@ -10,7 +10,7 @@ import torch
 from pagedllm import envs
 from pagedllm.attention.kv_quant import KVQuant, SCALE_DTYPE, kv_quant
 from pagedllm.attention.selector import get_attention_backend
-from pagedllm.config import EngineConfig, fit_max_model_len
+from pagedllm.config import EngineConfig, fit_max_model_len, hf_field
 from pagedllm.heap import collect_and_trim
 from pagedllm.models import decode_stack
 from pagedllm.models.loader import load_weights
@@ -45,7 +45,7 @@ def resolve_dtype(name: str, hf_config, device: torch.device) -> torch.dtype:
     if name != "auto":
         dtype = _DTYPES[name]
     else:
-        cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        cfg = hf_field(hf_config, "torch_dtype") or hf_field(hf_config, "dtype")
         if isinstance(cfg, str):
             cfg = _DTYPES.get(cfg, torch.float32)
         dtype = cfg if cfg in _DTYPES.values() else torch.float32
@@ -195,7 +195,7 @@ class Worker:
         if self.kv_spec.planes != 2:
             raise ValueError(f"kv_cache_dtype={name!r}: multi-head latent attention (DeepSeek's one-plane latent cache) "
                              "has no 8-bit cache yet; use kv_cache_dtype='auto'")
-        supported = getattr(self.backend, "kv_cache_dtypes", ("auto",))
+        supported = self.backend.kv_cache_dtypes
         if name not in supported:
             raise ValueError(f"kv_cache_dtype={name!r} is not supported by the {self.backend.name} attention backend "
                              f"({self.device.type}); it supports {supported}")
@@ -317,8 +317,8 @@ class Worker:
             tokens = num_blocks * spec.block_size
             pp = get_pp_group()
             where = "per rank"
-            if pp.world_size > 1:  # this stage's weights and cache: its own layers only
-                start, end = getattr(self.model, "model", self.model).start, getattr(self.model, "model", self.model).end
+            if pp.world_size > 1:  # this stage's weights and cache: its own layers only (a supports_pp family's
+                start, end = self.model.model.start, self.model.model.end  # decoder stack, models/pipeline.py)
                 where += f", pipeline stage {pp.rank} of {pp.world_size}: layers {start}..{end - 1}"
             logger.info("memory plan (%s): weights %s; activations %s%s (%d tokens per step); KV cache %s = %d "
                         "blocks x %d tokens = %d tokens (%s per token); max concurrency at max_model_len %d: %.1f",
