@@ -40,10 +40,9 @@ PACKING_BATCH_HINT = 64
 
 
 def packing_available() -> bool:
-    ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") and hasattr(
-        ops, "_linear_pointwise"
-    )
+    ops = torch.ops.mkldnn  # a torch build without oneDNN's linear ops lacks them
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(ops, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
 
 
 def packed_compute_dtype(model_dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -70,24 +69,31 @@ def pack_weight(weight: torch.Tensor, compute_dtype: torch.dtype) -> nn.Paramete
     return nn.Parameter(packed, requires_grad=False)
 
 
-def pack_panels(weight: torch.Tensor, kernels=None) -> nn.Parameter:
+class PanelWeight(nn.Parameter):
+    """A weight in pagedllm's panel layout (``pack_panels``): ``panel_out_features`` is its N, and
+    ``panel_kernels`` the kernels module that packed it (layouts differ between ISA levels)."""
+
+    panel_out_features: int
+    panel_kernels: object
+
+
+def pack_panels(weight: torch.Tensor, kernels=None) -> PanelWeight:
     """``weight`` [N, K] (float32 or bfloat16) packed for ``kernels.packed_linear`` by the kernels
     module itself (``pack_linear_weight``), in the layout its compiled GEMM path uses
     (``kernels.gemm_path()``): 16-column panels [ceil(N / 16), K, 16], or for bf16 weights on
     the avx512_bf16 path [ceil(N / 16), ceil(K / 2), 32] with k in pairs. ``kernels`` defaults to
-    the loaded module. The parameter carries N as ``panel_out_features`` and the module that
-    packed it as ``panel_kernels`` (layouts differ between ISA levels)."""
+    the loaded module."""
     module = kernels if kernels is not None else cpu_kernels.load()
-    packed = nn.Parameter(module.pack_linear_weight(weight.detach()), requires_grad=False)
-    packed.panel_out_features = weight.shape[0]  # type: ignore[attr-defined]
-    packed.panel_kernels = module  # type: ignore[attr-defined]
+    packed = PanelWeight(module.pack_linear_weight(weight.detach()), requires_grad=False)
+    packed.panel_out_features = weight.shape[0]
+    packed.panel_kernels = module
     return packed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear`` that also accepts a weight packed by :func:`pack_panels` or :func:`pack_weight`."""
-    n = getattr(weight, "panel_out_features", None)
-    if n is not None:
+    if isinstance(weight, PanelWeight):
+        n = weight.panel_out_features
         flat = x.dim() == 2  # [tokens, features], the models' usual shape: no reshapes
         x2 = x if flat else x.reshape(-1, x.shape[-1])
         if x2.dtype != torch.float32 and x2.dtype != torch.bfloat16:
@@ -111,6 +117,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     return y
 
 
+def packable_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that opt in to a packed weight (``packable_weight = True``: our linear, MoE and
+    embedding layers, unless quantized or absorbed); torch's own modules have no such flag."""
+    return [m for m in model.modules() if getattr(m, "packable_weight", False)]
+
+
 def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype, gemm: str = "pagedllm",
                         cache_dir: Optional[str] = None) -> int:
     """Replace every packable module's ``weight`` (modules with ``packable_weight = True``) by its
@@ -119,8 +131,7 @@ def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype, gemm: str = 
     CPU, layers/gemm_select.py; "onednn": every shape); without them oneDNN's. A weight shared
     with another module (a tied LM head shares the embedding table) gets its own packed copy, the
     original stays dense."""
-    modules = [m for m in model.modules() if getattr(m, "packable_weight", False)
-               and not m.weight.is_mkldnn and not hasattr(m.weight, "panel_out_features")]
+    modules = [m for m in packable_modules(model) if not m.weight.is_mkldnn and not isinstance(m.weight, PanelWeight)]
     kernels = cpu_kernels.ready()
     compute = packed_compute_dtype(model_dtype)
     if model_dtype in (torch.float32, torch.bfloat16) and kernels is not None:
@@ -157,8 +168,7 @@ def pack_linear_weights(model: nn.Module, model_dtype: torch.dtype, gemm: str = 
 def gemm_forms(model: nn.Module) -> dict[str, int]:
     """How many packable layers run each GEMM form ({"pagedllm": n, "onednn": m, "dense": d})."""
     counts = {"pagedllm": 0, "onednn": 0, "dense": 0}
-    for m in model.modules():
-        if getattr(m, "packable_weight", False):
-            w = m.weight
-            counts["pagedllm" if hasattr(w, "panel_out_features") else "onednn" if w.is_mkldnn else "dense"] += 1
+    for m in packable_modules(model):
+        w = m.weight
+        counts["pagedllm" if isinstance(w, PanelWeight) else "onednn" if w.is_mkldnn else "dense"] += 1
     return counts

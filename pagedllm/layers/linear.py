@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.cpu_gemm import linear
+from pagedllm.quantization.base import materialize
 
 
 _WEIGHTS_ON_META = False  # while a quantized model is built (layers/quantized.py): no dense weight memory
@@ -40,11 +41,8 @@ def _attach(param: nn.Parameter, loader) -> nn.Parameter:
 
 
 # Loaders receive a tensor or a not-yet-read checkpoint slice (models/loader.SliceSource); both
-# support .narrow(dim, start, length), which on a slice reads only that part from disk.
-def materialize(src) -> torch.Tensor:
-    return src.full() if hasattr(src, "full") else src
-
-
+# support .narrow(dim, start, length), which on a slice reads only that part from disk, and
+# ``materialize`` (quantization/base.py) reads one whole.
 def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
     loaded = materialize(loaded)
     if param.shape != loaded.shape:
@@ -52,10 +50,18 @@ def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
     param.data.copy_(loaded)
 
 
-class ReplicatedLinear(nn.Module):
-    packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
-    quant_method = None  # set by layers/quantized.py: the layer's weight is quantized, its method multiplies
+class LinearBase(nn.Module):
+    """What every linear layer carries for the CPU GEMM packing and for quantization, with the
+    defaults of a dense weight."""
 
+    packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
+    quant_method = None  # set by models/quantized.py: the layer's weight is quantized, its method multiplies
+    quantized = None  # the weight form quant_method multiplies (quantization/base.py's install_quantized)
+    checkpoint_param_names: tuple[str, ...] = ()  # the quantized checkpoint tensors it holds (register_params)
+    static_input: Optional[tuple[str, float]] = None  # a checkpoint's static activation quantization (kind, scale)
+
+
+class ReplicatedLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = _attach(nn.Parameter(_dense_weight(out_features, in_features), requires_grad=False), default_weight_loader)
@@ -69,15 +75,12 @@ class ReplicatedLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication in forward.
 
     ``output_sizes`` lists the logical sub-matrices packed along the output dim (e.g. gate and up);
     each is split across ranks separately so shard ``i`` of the checkpoint lands at its offset.
     """
-
-    packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
-    quant_method = None  # set by layers/quantized.py: the layer's weight is quantized, its method multiplies
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
         super().__init__()
@@ -148,11 +151,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, size).copy_(materialize(piece))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products summed with one all-reduce."""
-
-    packable_weight = True  # the worker may swap the weight for a packed CPU GEMM layout
-    quant_method = None  # set by layers/quantized.py: the layer's weight is quantized, its method multiplies
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.kernels import cpu as cpu_kernels
+from pagedllm.quantization.base import materialize
 
 
 class RMSNorm(nn.Module):
@@ -47,7 +48,7 @@ class RMSNorm(nn.Module):
 
 
 def _offset_loader(offset: float, param: torch.Tensor, loaded, shard_id=None) -> None:
-    w = loaded.full() if hasattr(loaded, "full") else loaded
+    w = materialize(loaded)
     param.data.copy_(w.float() + offset)
 
 
@@ -85,7 +86,7 @@ class HeadLayerNorm(nn.Module):
         if shard_id is None:  # every head's rows in one tensor
             param.data.copy_(loaded.narrow(0, self.first, n))
         elif self.first <= shard_id < self.first + n:  # one head's; other ranks' heads are skipped
-            param.data[shard_id - self.first].copy_(loaded.full() if hasattr(loaded, "full") else loaded)
+            param.data[shard_id - self.first].copy_(materialize(loaded))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()

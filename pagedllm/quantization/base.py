@@ -92,8 +92,11 @@ def _narrow(src, axis: int, start: int, length: int, full: int):
     return src.narrow(axis, start, length)
 
 
-def _full(src) -> torch.Tensor:
-    return src.full() if hasattr(src, "full") else src
+def materialize(src) -> torch.Tensor:
+    """A weight loader's ``loaded``: a tensor as it is, or a checkpoint tensor not read yet (a
+    lazy view: models/loader.SliceSource, the GGUF tensors, models/checkpoint_views.py's; each
+    has ``narrow`` and ``full``) read whole."""
+    return src if isinstance(src, torch.Tensor) else src.full()
 
 
 def make_loader(spec: ParamSpec, part: LinearPartition, layer_name: str):
@@ -106,7 +109,7 @@ def make_loader(spec: ParamSpec, part: LinearPartition, layer_name: str):
         if spec.per_shard == "ignore":
             return
         if spec.per_shard is not None:
-            value = _full(loaded).reshape(-1)
+            value = materialize(loaded).reshape(-1)
             if spec.per_shard == "index":
                 if value.numel() != 1:
                     raise ValueError(where(f"expected one value per shard, got shape {tuple(loaded.shape)}"))
@@ -117,13 +120,13 @@ def make_loader(spec: ParamSpec, part: LinearPartition, layer_name: str):
                 param.data.narrow(0, offset, size).fill_(value[0])
             elif value.numel() >= start + size:  # one value per row (per-channel scales)
                 param.data.narrow(0, offset, size).copy_(value.narrow(0, start, size))
-                param.per_channel = True  # type: ignore[attr-defined]
+                param.per_channel = True
             else:
                 raise ValueError(where(f"{value.numel()} scale values do not cover rows {start}..{start + size}"))
             return
         src, dest = loaded, param.data
         if spec.out_expand > 1:
-            src = loaded = _full(loaded).repeat_interleave(spec.out_expand, dim=spec.out_axis)
+            src = loaded = materialize(loaded).repeat_interleave(spec.out_expand, dim=spec.out_axis)
         if spec.out_axis is not None:
             offset, size, start = part.out_slice(shard_id)
             u = spec.out_unit
@@ -139,24 +142,32 @@ def make_loader(spec: ParamSpec, part: LinearPartition, layer_name: str):
                                        f" split a unit of {u} (packed word or quantization group); choose a "
                                        "tensor_parallel_size that divides the groups"))
             src = src.narrow(spec.in_axis, part.in_start // u, part.in_features // u)
-        src = _full(src)
+        src = materialize(src)
         if tuple(src.shape) != tuple(dest.shape):
             raise ValueError(where(f"checkpoint slice {tuple(src.shape)} does not fit parameter {tuple(dest.shape)} "
                                    f"(checkpoint tensor {tuple(loaded.shape)})"))
         if spec.out_axis is None and shard_id is not None:  # one tensor for every fused shard (g_idx)
-            seen = getattr(param, "loaded_shards", None)
+            seen = param.loaded_shards
             if seen and not torch.equal(dest, src.to(dest.dtype)):
                 raise ValueError(where(f"shard {shard_id!r} differs from shard {seen[0]!r}; pagedllm fuses them into "
                                        "one layer, which needs them equal"))
-            param.loaded_shards = (seen or ()) + (shard_id,)  # type: ignore[attr-defined]
+            param.loaded_shards = seen + (shard_id,)
         dest.copy_(src)
 
     return load
 
 
+class CheckpointParam(nn.Parameter):
+    """A quantized layer's parameter for one checkpoint tensor (``register_params``), with what
+    its loader learned."""
+
+    per_channel = False  # a per-shard scale came as one value per output row
+    loaded_shards: tuple = ()  # the fused shards loaded into a tensor they all share (g_idx)
+
+
 def register_params(layer: nn.Module, specs: list[ParamSpec], part: LinearPartition, layer_name: str) -> None:
     for spec in specs:
-        p = nn.Parameter(torch.zeros(spec.shape, dtype=spec.dtype), requires_grad=False)
+        p = CheckpointParam(torch.zeros(spec.shape, dtype=spec.dtype), requires_grad=False)
         p.weight_loader = make_loader(spec, part, layer_name)  # type: ignore[attr-defined]
         layer.register_parameter(spec.name, p)
     layer.checkpoint_param_names = tuple(s.name for s in specs)
@@ -167,7 +178,7 @@ def install_quantized(layer: nn.Module, qw) -> None:
     QuantizedWeight, or the kernels' repacked form of one -- with its tensors registered as
     ``q_<field>`` parameters, so the layer's resident bytes are what its parameters add up to."""
     for name in list(layer._parameters):
-        if name in getattr(layer, "checkpoint_param_names", ()) or name.startswith("q_"):
+        if name in layer.checkpoint_param_names or name.startswith("q_"):
             del layer._parameters[name]
     layer.checkpoint_param_names = ()
     for f in dataclasses.fields(qw):
@@ -245,9 +256,8 @@ class QuantMethod:
         raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        static = getattr(layer, "static_input", None)
-        if static is not None:
-            x = fake_quantize_static(x, *static)
+        if layer.static_input is not None:
+            x = fake_quantize_static(x, *layer.static_input)
         return matmul(x, layer.quantized, bias)
 
 

@@ -64,7 +64,7 @@ class Fp8Method(QuantMethod):
             act = "fp8_per_token"
         else:
             scales = layer.weight_scale.data.reshape(n, 1)
-            act = "fp8_per_token" if getattr(layer.weight_scale, "per_channel", False) else "fp8_per_tensor"
+            act = "fp8_per_token" if layer.weight_scale.per_channel else "fp8_per_tensor"
         if self.static:
             layer.static_input = ("fp8", float(layer.input_scale.data.max()))
             act = None

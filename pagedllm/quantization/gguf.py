@@ -223,8 +223,8 @@ def install_gguf(layer: nn.Module, gw: GGUFWeight) -> None:
         if seg.panels is None:
             layer.register_parameter(f"q_seg{i}", nn.Parameter(seg.data, requires_grad=False))
             continue
-        for part in ("packed", "scales", "zeros"):
-            t = getattr(seg.panels, part)
+        panels = seg.panels
+        for part, t in (("packed", panels.packed), ("scales", panels.scales), ("zeros", panels.zeros)):
             if t is not None:
                 layer.register_parameter(f"q_seg{i}_{part}", nn.Parameter(t, requires_grad=False))
     layer.checkpoint_param_names = ()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.quantization.base import LinearPartition, QuantMethod, install_quantized
+from pagedllm.quantization.base import LinearPartition, QuantMethod, install_quantized, materialize
 from pagedllm.quantization.quantized_weight import QuantizedWeight
 
 _QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -45,7 +45,7 @@ class OnlineMethod(QuantMethod):
             src = loaded.narrow(0, start, size)
             if part.row_split:
                 src = src.narrow(1, part.in_start, part.in_features)
-            src = src.full() if hasattr(src, "full") else src
+            src = materialize(src)
             if tuple(src.shape) != (size, part.in_features):
                 raise ValueError(f"{layer_name}.weight: checkpoint {tuple(loaded.shape)} does not fit rows "
                                  f"{start}..{start + size} x {part.in_features} columns")

@@ -51,6 +51,7 @@ class CpuPlatform:
         """Kernels loaded, weights packed for their GEMM; returns the CPU's description."""
         from pagedllm.kernels import cpu as cpu_kernels
         from pagedllm.layers.cpu_gemm import gemm_forms, pack_linear_weights
+        from pagedllm.layers.moe import GroupedExperts
 
         # Built once per machine and cached on disk (`make` prebuilds them); the weights are
         # packed for their GEMM, and every layer takes what they support (for_tensor).
@@ -58,7 +59,7 @@ class CpuPlatform:
             cpu_kernels.load(config.kernel_cache_dir)
         pack_linear_weights(model, dtype, config.cpu_gemm, config.kernel_cache_dir)
         prepare_quantized_layers(model)  # quantized weights in the quantized GEMM kernels' layout
-        for module in [m for m in model.modules() if hasattr(m, "pack_for_cpu")]:
+        for module in [m for m in model.modules() if isinstance(m, GroupedExperts)]:
             module.pack_for_cpu(dtype)  # MoE experts: each expert's projections
         keep_freed_activations(config.cpu_keep_freed_memory)  # after loading: the load's temporaries went back to the OS
         d = dict(cpu_kernels.describe(), gemm_mode=config.cpu_gemm, gemm_forms=gemm_forms(model),
