@@ -48,8 +48,13 @@ class StructuredOutputsParams:
     # rule under --reasoning-parser; None: from the first token
     reasoning_tags: Optional[tuple[str, str]] = None
 
+    def _set_constraints(self) -> list[str]:
+        """The names of the constraints given (in _CONSTRAINTS' order)."""
+        values = (self.json, self.regex, self.choice, self.grammar, self.json_object, self.structural_tag)
+        return [n for n, v in zip(_CONSTRAINTS, values) if v not in (None, False)]
+
     def __post_init__(self) -> None:
-        set_ = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
+        set_ = self._set_constraints()
         if len(set_) != 1:
             raise ValueError(f"structured_outputs must set exactly one of {', '.join(_CONSTRAINTS)}, got "
                              f"{', '.join(set_) if set_ else 'none'}")
@@ -59,8 +64,7 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), got "
                              f"{type(self.json).__name__}")
-        for name in ("regex", "grammar"):
-            v = getattr(self, name)
+        for name, v in (("regex", self.regex), ("grammar", self.grammar)):
             if v is not None and (not isinstance(v, str) or not v):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
         if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
@@ -79,7 +83,7 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+        return self._set_constraints()[0]
 
 
 @dataclass
@@ -211,8 +215,9 @@ class SamplingParams:
             raise bad("prompt_logprobs", "an integer in [0, 20] or None", self.prompt_logprobs)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
                      "spaces_between_special_tokens"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "a boolean", getattr(self, name))
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise bad(name, "a boolean", value)
         if self.bad_words is not None:
             if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) and w
                                                                         for w in self.bad_words):

@@ -159,7 +159,7 @@ def sample_requests(args, tokenizer=None) -> list[SampleRequest]:
     """The workload the parsed ``pagedllm bench`` flags describe."""
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
-    vocab = _vocab_size(tokenizer, getattr(args, "random_vocab_size", None))
+    vocab = _vocab_size(tokenizer, args.random_vocab_size)
     if args.dataset_name == "random":
         output_len = 128 if args.output_len is None else args.output_len
         return random_requests(args.num_prompts, args.input_len, output_len, range_ratio=args.random_range_ratio,

@@ -78,8 +78,9 @@ LATENCY_PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 def run_latency(args, make_llm: Callable[[Any], Any]) -> dict:
     for name in ("batch_size", "input_len", "num_iters"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     if args.num_iters_warmup < 0:
         raise ValueError(f"num_iters_warmup must be >= 0, got {args.num_iters_warmup}")
     output_len = 128 if args.output_len is None else args.output_len

@@ -180,7 +180,7 @@ class PoolingEngine:
     @property
     def uses_token_types(self) -> bool:
         """Whether the tokenizer hands the model segment ids (``token_type_ids`` in its model_input_names)."""
-        return "token_type_ids" in (getattr(self.tokenizer, "model_input_names", None) or ())
+        return "token_type_ids" in self.tokenizer.model_input_names  # a transformers tokenizer's (AutoTokenizer)
 
     def _check_length(self, ids: list[int], field: str) -> list[int]:
         if not ids:

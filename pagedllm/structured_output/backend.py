@@ -103,7 +103,7 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
         return kind, json.dumps(spec.choice, ensure_ascii=False)
     if kind == "json_object":
         return kind, ""
-    return kind, getattr(spec, kind)
+    return kind, spec.regex if kind == "regex" else spec.grammar
 
 
 def _size_of(compiled) -> int:
@@ -132,12 +132,13 @@ class GrammarBackend:
         self._batch = None
 
     def _tokenizer_info(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        from pagedllm.tokenizer.light_tokenizer import LightTokenizer
+
         xgr = self.xgr
-        backend = getattr(tokenizer, "_tokenizer", None)  # the light tokenizer's ``tokenizers`` object
-        if backend is not None and not hasattr(tokenizer, "backend_tokenizer"):
+        if isinstance(tokenizer, LightTokenizer):  # xgrammar reads a transformers tokenizer: its Rust one, wrapped
             from transformers import PreTrainedTokenizerFast  # xgrammar imports transformers already
 
-            tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+            tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend_tokenizer)
         stops = list(stop_token_ids) or None
         return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
 

@@ -16,7 +16,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.special_ids = set(getattr(tokenizer, "all_special_ids", []) or []) if skip_special_tokens else set()
+        self.special_ids = set(tokenizer.all_special_ids) if skip_special_tokens else set()
         window = [t for t in prompt_ids if t not in self.special_ids][-_INITIAL_WINDOW:]
         self.ids: list[int] = list(window)
         self.prefix_offset = 0

@@ -53,6 +53,11 @@ class LightTokenizer:
         self.all_special_ids = [i for i in (backend.token_to_id(t) for t in self.all_special_tokens) if i is not None]
         self.vocab_size = backend.get_vocab_size(with_added_tokens=False)
 
+    @property
+    def backend_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` underneath (a transformers fast tokenizer's name for it)."""
+        return self._tokenizer
+
     # ---- ids of special tokens --------------------------------------------------------------
     def _id(self, token: Optional[str]) -> Optional[int]:
         return None if token is None else self._tokenizer.token_to_id(token)

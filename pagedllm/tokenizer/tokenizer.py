@@ -33,7 +33,7 @@ def render_chat_prompt(tokenizer, messages: list[dict[str, Any]], add_generation
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m:
             raise ValueError(f"messages[{i}] must be an object with a 'role'")
-    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+    if chat_template is None and tokenizer.chat_template is None:
         raise ValueError("this model's tokenizer has no chat template; pass chat_template explicitly")
     continue_final = kwargs.pop("continue_final_message", False)
     add_special = kwargs.pop("add_special_tokens", False)
@@ -65,6 +65,7 @@ def chat_template_variables(tokenizer) -> dict[str, Any]:
     for name in _SPECIAL_VARS:
         value = getattr(tokenizer, name, None)
         out[name] = value if isinstance(value, str) or value is None else str(value)
+    # transformers 5 dropped additional_special_tokens (ours and 4.x's tokenizers have it)
     out["additional_special_tokens"] = [str(t) for t in (getattr(tokenizer, "additional_special_tokens", None) or [])]
     return out
 
