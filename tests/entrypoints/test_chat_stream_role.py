@@ -6,6 +6,7 @@ import json
 
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving import OpenAIServing, ServingOptions
+from pagedllm.entrypoints.openai.serving_chat import ServingChat
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -27,11 +28,11 @@ class GatedStreams:
 
 def test_role_chunk_waits_for_the_first_output():
     async def run():
-        serving = OpenAIServing.__new__(OpenAIServing)  # _chat_stream needs none of the engine's state
+        serving = OpenAIServing.__new__(OpenAIServing)  # the chat stream needs none of the engine's state
         serving.options = ServingOptions()
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], stream=True)
         streams = GatedStreams()
-        gen = serving._chat_stream(req, streams, "chatcmpl-1", "tiny", 2).__aiter__()
+        gen = ServingChat(serving).stream(req, streams, "chatcmpl-1", "tiny", 2).__aiter__()
         first = asyncio.ensure_future(gen.__anext__())
         await asyncio.sleep(0.05)
         assert not first.done(), "a chunk was sent before the prompt was computed"

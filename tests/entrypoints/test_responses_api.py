@@ -293,7 +293,7 @@ def test_auto_tool_calls_stream_as_function_call_items():
             pass
 
     async def run():
-        serving = ServingResponses(SimpleNamespace(_reasoning_parser=lambda: None, tokenizer=None))
+        serving = ServingResponses(SimpleNamespace(reasoning_parser=None, tokenizer=None))
         entry = StoredResponse(ResponseObject(id="resp_1", model="m"), [], [])
         plan = tc.ToolPlan("auto", [], None, get_tool_parser("hermes"))
         return [c async for c in serving._stream(entry, Streams(), plan, 3)], serving

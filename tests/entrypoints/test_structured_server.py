@@ -284,11 +284,11 @@ def test_bad_tool_requests_are_400(live, body, field):
 
 def test_auto_needs_the_server_flag(default_model):
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-    from pagedllm.entrypoints.openai.serving import APIError, _bad_request
+    from pagedllm.entrypoints.openai.serving import APIError, bad_request
     from pagedllm.entrypoints.openai.tool_calls import plan_tools
 
     req = ChatCompletionRequest(messages=MESSAGES, tools=[WEATHER])  # auto by default
     with pytest.raises(APIError, match="--enable-auto-tool-choice") as e:
-        plan_tools(req, False, None, _bad_request)
+        plan_tools(req, False, None, bad_request)
     assert e.value.param == "tool_choice"
-    assert plan_tools(req, True, "llama3_json", _bad_request).mode == "auto"
+    assert plan_tools(req, True, "llama3_json", bad_request).mode == "auto"

@@ -37,7 +37,8 @@ from pagedllm.entrypoints.openai.responses_protocol import (
     FunctionCallItem, IncompleteDetails, InputTokensDetails, OutputMessage, OutputText, OutputTokensDetails,
     ReasoningItem, ReasoningText, ResponseErrorInfo, ResponseObject, ResponsesRequest, ResponseUsage,
 )
-from pagedllm.entrypoints.openai.serving import APIError, _Choice, to_api_error
+from pagedllm.entrypoints.openai.serving_errors import APIError, to_api_error
+from pagedllm.entrypoints.openai.stream_consumer import Choice as _Choice
 
 # Chat fields an error may name -> the Responses field the client sent.
 _FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
@@ -336,7 +337,7 @@ class ServingResponses:
         response = entry.response
         status = "incomplete" if choice.finish_reason == "length" else "completed"
         text, thought = "".join(choice.text), None
-        thinking = self.serving._reasoning_parser()
+        thinking = self.serving.reasoning_parser
         if thinking is not None:  # --reasoning-parser: a reasoning item first, the rest is the reply
             thought, rest = thinking.extract(text)
             text = rest or ""
@@ -382,7 +383,7 @@ class ServingResponses:
     async def _stream(self, entry: StoredResponse, streams, plan, prompt_len: int) -> AsyncIterator[str]:
         events = _EventWriter(entry.response)
         tools = tc.ToolStream(plan) if plan is not None and plan.active else None
-        thinking = self.serving._reasoning_parser()
+        thinking = self.serving.reasoning_parser
         split = ReasoningStream(thinking) if thinking is not None else None  # --reasoning-parser
         token_ids: list[int] = []
         pending: list[dict[str, Any]] = []  # logprobs of tokens whose text has not been sent yet
