@@ -296,7 +296,7 @@ def test_auto_tool_calls_stream_as_function_call_items():
         serving = ServingResponses(SimpleNamespace(reasoning_parser=None, tokenizer=None))
         entry = StoredResponse(ResponseObject(id="resp_1", model="m"), [], [])
         plan = tc.ToolPlan("auto", [], None, get_tool_parser("hermes"))
-        return [c async for c in serving._stream(entry, Streams(), plan, 3)], serving
+        return [c async for c in serving.stream(entry, Streams(), plan, 3)], serving
 
     chunks, serving = asyncio.run(run())
     events = [json.loads(c.split("data: ", 1)[1]) for c in chunks]
