@@ -140,7 +140,7 @@ def describe() -> dict:
     """What the kernels run as here: the loaded level (None if not loaded or unavailable), the
     best level this CPU can run, the CPU's model name and its relevant flags. Never builds."""
     module = ready()
-    level = getattr(module, "isa", None)
+    level = module.isa if module is not None else None
     comp = build._compilers.get(envs.cxx())
     return {
         "isa": level,

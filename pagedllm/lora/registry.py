@@ -11,6 +11,11 @@ from pagedllm.lora.peft_adapter import ModelLoRALayout, adapter_digest, load_ada
 from pagedllm.lora.request import LoRARequest
 
 
+def _require_request(request) -> None:
+    if not isinstance(request, LoRARequest):
+        raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+
+
 class LoRARegistry:
     def __init__(self, hf_config, max_lora_rank: int, max_adapters: int = 1024) -> None:
         self.layout = ModelLoRALayout.from_hf_config(hf_config)  # raises for models LoRA does not support
@@ -21,16 +26,16 @@ class LoRARegistry:
 
     def check(self, request: LoRARequest) -> LoRAHandle:
         """Read and check the adapter (ValueError naming what is wrong); its handle."""
-        if not isinstance(request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}")
+        _require_request(request)
         path = os.path.abspath(request.lora_path)
         load_adapter(path, self.layout, self.max_lora_rank)
         return LoRAHandle(request.lora_name, f"{request.lora_name}:{adapter_digest(path)}", path)
 
     def resolve(self, request: LoRARequest) -> LoRAHandle:
         """The handle of a known adapter, or of a new one (checked, then remembered)."""
+        _require_request(request)
         with self._lock:
-            known = self._known.get(getattr(request, "lora_name", None))
+            known = self._known.get(request.lora_name)
         if known is not None and known[0].lora_path == request.lora_path:
             return known[1]
         self._check_room(request.lora_name)

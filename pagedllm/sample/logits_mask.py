@@ -33,7 +33,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     """-inf on ``logits[rows[i]]`` wherever ``bitmask[i]`` has a 0 bit (in place; returns logits)."""
     width = logits.shape[1]
     kernels = cpu_kernels.for_tensor(logits)
-    if (kernels is not None and hasattr(kernels, "apply_token_bitmask") and logits.dtype == torch.float32
+    if (kernels is not None and logits.dtype == torch.float32
             and logits.stride(-1) == 1 and bitmask.stride(-1) == 1):
         kernels.apply_token_bitmask(logits, rows.to(torch.long).contiguous(), bitmask)
         return logits

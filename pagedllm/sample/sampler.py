@@ -123,7 +123,7 @@ class Sampler:
         if md.processors is not None:  # offline logits processors (user code, one call per row)
             for row, fns, prompt_ids, output_ids in md.processors:
                 for fn in fns:
-                    n = fn.__code__.co_argcount if hasattr(fn, "__code__") else 2
+                    n = fn.__code__.co_argcount if hasattr(fn, "__code__") else 2  # a callable object: 2 arguments
                     out = fn(prompt_ids, output_ids, logits[row]) if n >= 3 else fn(output_ids, logits[row])
                     logits[row] = out
         if md.batch_processors is not None:  # --logits-processors: the whole batch at once
@@ -142,7 +142,7 @@ class Sampler:
         u = self._uniforms(logits.shape[0], md, logits.device)
         filters = md.min_p is not None or md.top_k is not None or md.top_p is not None
         kernels = cpu_kernels.for_tensor(logits)
-        if not filters and kernels is not None and logits.stride(-1) == 1 and hasattr(kernels, "sample_rows"):
+        if not filters and kernels is not None and logits.stride(-1) == 1:
             # One fused pass per row (max, softmax denominator, inverse CDF); greedy rows are
             # temperature 0 there and take the argmax.
             if md.temperature is not None:

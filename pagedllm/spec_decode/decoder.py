@@ -72,5 +72,5 @@ class SpecDecoder:
     def observe(self, runner, inputs, hidden) -> None:
         """After every step (drafted or not, states updated): a proposer that drafts from the
         target's hidden states (EAGLE) takes those of the positions this step computed."""
-        if self.drafter is not None and hasattr(self.drafter, "observe"):
+        if self.drafter is not None:
             self.drafter.observe(runner, inputs, hidden)

@@ -51,6 +51,10 @@ class PagedDrafter:
     def bytes_per_block(self) -> int:
         return int(np.prod(self.kv_shape)) * torch.empty((), dtype=self.dtype).element_size()
 
+    def observe(self, runner, inputs, hidden: torch.Tensor) -> None:
+        """After every step: the target's hidden states of the positions it computed (EAGLE drafts
+        from them; a draft model ignores them)."""
+
     def allocate(self, num_blocks: int, backend) -> None:
         p, nl, bs, h, d = self.kv_shape
         self.kv_cache = torch.zeros((p, nl, num_blocks, bs, h, d), dtype=self.dtype, device=self.device)

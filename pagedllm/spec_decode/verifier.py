@@ -106,7 +106,7 @@ def verify_and_update(runner, inputs, hidden: torch.Tensor, drafts: dict[str, li
     out = None
     if len(rows) and sampler is not None:
         md = build_sampling_metadata(sample_states, runner.vocab_size, runner.device)
-        per_row = (md.bias_rows, md.ban_rows, md.seen_rows, md.max_num_logprobs, getattr(md, "mask_rows", None))
+        per_row = (md.bias_rows, md.ban_rows, md.seen_rows, md.max_num_logprobs, md.mask_rows)
         if not md.all_greedy or any(x is not None for x in per_row):  # tensors per row: one row per position
             views = [DraftRowView(s, drafts.get(s.req_id, []), j) for s, kk in zip(sample_states, k.tolist())
                      for j in range(kk + 1)]
