@@ -24,7 +24,7 @@ from pagedllm.entrypoints.openai.serving_errors import APIError, bad_request, to
 from pagedllm.entrypoints.openai.stream_set import StreamSet
 from pagedllm.entrypoints.openai.structured import rename_field, request_constraint
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams, token_id_key
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.limits import CompilePoolFullError, CompileTimeoutError, compile_timeout
 
 logger = logging.getLogger("pagedllm.server")
@@ -100,31 +100,27 @@ class ServingBase:
         if req.use_beam_search:  # one beam group, n = beam width (entrypoints/openai/beam.py)
             return beam_search_params(req, max_tokens, logprobs, prompt_len, self.max_model_len,
                                       lambda msg, field: APIError(400, msg, param=aliases.get(field, field)))
-        bias = self._logit_bias(req)
         self._check_logprob_limits({"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}, aliases)
-        if req.seed is not None and not -(2**63) <= req.seed < 2**63:
-            raise APIError(400, "seed must be a 64-bit signed integer", param="seed", code="invalid_value")
         kwargs = self._sampling_kwargs(req, prompt_len, max_tokens)
-        kwargs.update(logit_bias=bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        kwargs.update(logit_bias=req.logit_bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       structured_outputs=request_constraint(req, bad_request)[0])
-        self._check_request_extras(req)
-        try:
+        if req.priority and getattr(self.engine.config, "scheduling_policy", "fcfs") != "priority":
+            raise bad_request(f"priority {req.priority} needs the server started with --scheduling-policy priority "
+                              "(as vLLM, a non-zero priority is refused under fcfs)", "priority")
+        try:  # its own ranges (seed, logit_bias keys and values, token ids >= 0, ...): a 400 naming the field
             params = SamplingParams(**kwargs)
         except (ValueError, TypeError) as e:
             raise to_api_error(e, aliases) from None
+        self._check_vocab(params)
         self._check_context(prompt_len, kwargs["max_tokens"], aliases)
         return params
 
-    def _logit_bias(self, req) -> Optional[dict[int, float]]:
-        if not req.logit_bias:
-            return None
-        try:
-            bias = {token_id_key(k): v for k, v in req.logit_bias.items()}
-        except ValueError as e:
-            raise bad_request(str(e), "logit_bias") from None
-        if any(not 0 <= k < self.vocab_size for k in bias):
+    def _check_vocab(self, params: SamplingParams) -> None:
+        """Token ids the request names must be the model's (SamplingParams knows no vocabulary)."""
+        if params.logit_bias and any(k >= self.vocab_size for k in params.logit_bias):
             raise bad_request(f"logit_bias token ids must be in [0, {self.vocab_size})", "logit_bias")
-        return bias
+        if params.allowed_token_ids and params.allowed_token_ids[-1] >= self.vocab_size:  # sorted by SamplingParams
+            raise bad_request(f"allowed_token_ids must be token ids in [0, {self.vocab_size})", "allowed_token_ids")
 
     def _check_logprob_limits(self, values: dict[str, Optional[int]], aliases: dict[str, str]) -> None:
         for name, value in values.items():
@@ -155,13 +151,6 @@ class ServingBase:
             bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
             spaces_between_special_tokens=req.spaces_between_special_tokens, extra_args=req.vllm_xargs,
         )
-
-    def _check_request_extras(self, req) -> None:
-        if req.priority and getattr(self.engine.config, "scheduling_policy", "fcfs") != "priority":
-            raise bad_request(f"priority {req.priority} needs the server started with --scheduling-policy priority "
-                              "(as vLLM, a non-zero priority is refused under fcfs)", "priority")
-        if req.allowed_token_ids and any(not 0 <= t < self.vocab_size for t in req.allowed_token_ids):
-            raise bad_request(f"allowed_token_ids must be token ids in [0, {self.vocab_size})", "allowed_token_ids")
 
     def _check_context(self, prompt_len: int, max_tokens: Optional[int], aliases: dict[str, str]) -> None:
         if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
