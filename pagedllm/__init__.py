@@ -28,9 +28,9 @@ def __getattr__(name: str):
 
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):
-        from pagedllm import outputs
+        from pagedllm.outputs import CompletionOutput, RequestOutput
 
-        return getattr(outputs, name)
+        return RequestOutput if name == "RequestOutput" else CompletionOutput
     if name == "AsyncLLMEngine":  # vLLM v1's name for its AsyncLLM
         return __getattr__("AsyncLLM")
     if name == "LLMEngine":
@@ -42,9 +42,9 @@ def __getattr__(name: str):
 
         return BeamSearchParams
     if name in ("TextPrompt", "TokensPrompt", "PromptType"):
-        from pagedllm import inputs
+        from pagedllm.inputs import PromptType, TextPrompt, TokensPrompt
 
-        return getattr(inputs, name)
+        return {"TextPrompt": TextPrompt, "TokensPrompt": TokensPrompt, "PromptType": PromptType}[name]
     if name == "EngineConfig":
         from pagedllm.config import EngineConfig
 

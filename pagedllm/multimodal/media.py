@@ -104,7 +104,9 @@ def load_image(source: Any, media: Optional[MediaSources] = None, budget: Option
     if isinstance(source, Image.Image):
         _check_size(source.size, budget)
         return source
-    if type(source).__module__ == "numpy" and hasattr(source, "ndim"):
+    import numpy as np  # a dependency (the image processor imports it already)
+
+    if isinstance(source, np.ndarray):
         return _from_array(Image, source, budget)
     if not isinstance(source, str):
         raise ValueError(f"an image must be a PIL image, a numpy array, a data: URL or a file path, got "

@@ -109,7 +109,7 @@ def spec_key(spec: StructuredOutputsParams) -> tuple[str, str]:
 def _size_of(compiled) -> int:
     """A compiled grammar's memory (xgrammar's own count: its token-mask cache and grammar),
     which tracks the process's RSS growth per compile within a factor of ~2 (docs/benchmarks.md)."""
-    return int(getattr(compiled, "memory_size_bytes", 0) or 0)
+    return int(compiled.memory_size_bytes)
 
 
 class GrammarBackend:
