@@ -53,7 +53,7 @@ def add_router_parser(sub) -> None:
 def router_args_from(args: argparse.Namespace, backends, model: Optional[str], tokenizer: Optional[str],
                      served_model_names, block_size: int, chat_template: Optional[str]):
     from pagedllm import envs
-    from pagedllm.entrypoints.router.app import RouterArgs
+    from pagedllm.entrypoints.router.args import RouterArgs
 
     bounds = {"max_request_body_size": getattr(args, "max_request_body_size", None),
               "http_read_timeout": getattr(args, "http_read_timeout", None)}

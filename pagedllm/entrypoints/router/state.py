@@ -15,7 +15,7 @@ from pagedllm.entrypoints.router.metrics import merge_backend_metrics, router_me
 from pagedllm.entrypoints.router.replicas import Choice, ReplicaSet
 
 if TYPE_CHECKING:
-    from pagedllm.entrypoints.router.app import RouterArgs
+    from pagedllm.entrypoints.router.args import RouterArgs
 
 logger = logging.getLogger("pagedllm.entrypoints.router.app")
 
