@@ -25,8 +25,8 @@ from pagedllm.entrypoints.openai.protocol_completions import (  # noqa: F401  (r
     LogprobInfo, PromptInput, PromptLogprobsOut,
 )
 
-# The names this module had before the split (responses_protocol and pooling_protocol import _Request).
-_Request, _SamplingFields, _StreamChunks = RequestModel, SamplingFields, StreamChunks
+# The name this module had before the split (responses_protocol and pooling_protocol import it).
+_Request = RequestModel
 
 
 # ---- models, tokenizer, misc -----------------------------------------------------------------

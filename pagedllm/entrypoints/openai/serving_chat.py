@@ -152,6 +152,12 @@ class _ChatWriter(SSEWriter):
 
     def delta(self, d: Delta) -> Iterable[str]:
         o = d.raw
+        if self.plain and not d.thought and d.tool_deltas is None and not d.held:  # the usual chunk, quickly
+            return (self.chunks.content(o.index, d.content, o.finish_reason, o.stop_reason),)
+        return self._deltas(d)
+
+    def _deltas(self, d: Delta) -> Iterable[str]:
+        o = d.raw
         if d.thought:  # --reasoning-parser: reasoning_content deltas first
             yield self._chunk(o.index, DeltaMessage(reasoning_content=d.thought))
         if d.held:

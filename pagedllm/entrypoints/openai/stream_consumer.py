@@ -69,7 +69,7 @@ class Whole:
         return next(iter(self.replies.values()), None) or _reply(Choice(), None, tc.ToolPlan())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Delta:
     """One choice's new output, as the writers see it."""
 
@@ -138,13 +138,14 @@ class SSEWriter(StreamWriter):
         return ("data: [DONE]\n\n",)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Track:
     """One choice's state while streaming."""
 
     split: Optional[ReasoningStream]
     tools: Optional[tc.ToolStream]
-    token_ids: list[int] = dataclasses.field(default_factory=list)
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # with a reasoning split (reasoning_tokens)
+    done: bool = False  # its last delta came
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached: int) -> UsageInfo:
@@ -192,7 +193,6 @@ class StreamConsumer:
         self.completion_tokens = 0
         self.cached: dict[int, int] = {}  # per prompt: its latest output's cached prompt tokens
         self._tracks: dict[tuple[int, int], _Track] = {}
-        self._done: set[tuple[int, int]] = set()
 
     def usage(self, completion_tokens: Optional[int] = None) -> UsageInfo:
         tokens = self.completion_tokens if completion_tokens is None else completion_tokens
@@ -225,6 +225,7 @@ class StreamConsumer:
         try:
             for s in writer.start():
                 yield s
+            delta_of, write = self._delta, writer.delta
             async for i, out in self.streams:
                 self.cached[i] = out.num_cached_tokens
                 if not started:
@@ -232,9 +233,9 @@ class StreamConsumer:
                     for s in writer.first(out):
                         yield s
                 for o in out.outputs:
-                    d = self._delta(i, out, o)
+                    d = delta_of(i, out, o)
                     if d is not None:
-                        for s in writer.delta(d):
+                        for s in write(d):
                             yield s
             for s in writer.end():
                 yield s
@@ -248,19 +249,20 @@ class StreamConsumer:
 
     def _delta(self, i: int, out: RequestOutput, o: CompletionOutput) -> Optional[Delta]:
         key, finished = (i, o.index), o.finish_reason is not None
-        if key in self._done or (not o.text and not o.token_ids and not finished):
-            return None
-        track, first = self._tracks.get(key), False
-        if track is None:
-            first = True
+        track = self._tracks.get(key)
+        if (track is not None and track.done) or (not o.text and not o.token_ids and not finished):
+            return None  # after the choice's end, or nothing new
+        first = track is None
+        if first:
             track = self._tracks[key] = _Track(ReasoningStream(self.reasoning) if self.reasoning else None,
                                                tc.ToolStream(self.plan) if self.plan.active else None)
         self.completion_tokens += len(o.token_ids)
-        track.token_ids.extend(o.token_ids)
-        if finished:
-            self._done.add(key)
-        thought, content = track.split.feed(o.text, finished) if track.split is not None else ("", o.text)
-        held = track.split is not None and not content and not finished
+        track.done = finished
+        thought, content, held = "", o.text, False
+        if track.split is not None:
+            track.token_ids.extend(o.token_ids)
+            thought, content = track.split.feed(o.text, finished)
+            held = not content and not finished
         tool_deltas, reason = None, o.finish_reason
         if track.tools is not None and not held:
             tool_deltas = track.tools.feed(content, finished)
