@@ -29,6 +29,11 @@ from pagedllm.core.scheduling_units import ADMITTED, LEFT, SET_ASIDE, RequestUni
 logger = logging.getLogger(__name__)
 
 
+def no_tokenizer_for_structured_outputs() -> ValueError:
+    """The refusal of a constrained request by an engine started without a tokenizer."""
+    return ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+
+
 @dataclass(frozen=True, slots=True)
 class Advance:
     """What accepting a request's new tokens found."""

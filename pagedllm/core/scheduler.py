@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 
 from pagedllm.core.admission import AdmissionConstraint, LoRASlots, InFlightBatches, make_constraints
 from pagedllm.core.beam_scheduling import BeamUnit
-from pagedllm.core.grammar_wait import GrammarSource, GrammarUnit
+from pagedllm.core.grammar_wait import GrammarSource, GrammarUnit, no_tokenizer_for_structured_outputs
 from pagedllm.core.deadlines import DeadlineWatch
 from pagedllm.core.contracts import (
     CachedRequestData,
@@ -131,7 +131,7 @@ class Scheduler:
             request.unit = self.beam_groups[request.request_id] = BeamUnit(request.beam)
         elif request.sampling_params.structured_outputs is not None:
             if self.grammars is None:
-                raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+                raise no_tokenizer_for_structured_outputs()
             self.grammars.submit(request)  # compiled off the step loop; admitted once its grammar is ready
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
             request.unit = GrammarUnit(request, self.grammars)

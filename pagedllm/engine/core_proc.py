@@ -20,6 +20,8 @@ import threading
 from concurrent.futures import CancelledError, Future
 from typing import Optional
 
+from pagedllm.core.grammar_wait import no_tokenizer_for_structured_outputs
+
 logger = logging.getLogger(__name__)
 
 
@@ -143,7 +145,7 @@ class _CoreLoop:
         checks only the limits): the compiled grammar stays in this process's cache for the
         request that follows; the front end learns only whether it compiled."""
         if self.core.structured is None:
-            raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+            raise no_tokenizer_for_structured_outputs()
         return self.core.structured.manager.submit(spec)
 
     def _call_structured_stats(self) -> dict:

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 from pagedllm.config import hf_field
 from pagedllm.core.engine_request import BeamSpec, EngineCoreRequest, EngineLimits
+from pagedllm.core.grammar_wait import no_tokenizer_for_structured_outputs
 from pagedllm.engine.best_of import child_params, uses_best_of
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer.tokenizer import max_token_chars
@@ -161,7 +162,7 @@ class InputProcessor:
         if spec is None:
             return None
         if self.structured is None:
-            raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
+            raise no_tokenizer_for_structured_outputs()
         if self.limits is not None and self.limits.speculative:  # the mask covers one token a step
             raise ValueError("structured_outputs cannot be combined with speculative decoding on this engine yet")
         return spec
@@ -177,11 +178,7 @@ class InputProcessor:
             raise ValueError(f"n must be at most {limits.max_n} (max_n), got {params.n}")
         if params.best_of is not None and params.best_of > limits.max_n:
             raise ValueError(f"best_of must be at most {limits.max_n} (max_n), got {params.best_of}")
-        if params.structured_outputs is not None:
-            if self.structured is None:
-                raise ValueError("structured_outputs needs the engine's tokenizer (the engine was started without one)")
-            if limits.speculative:
-                raise ValueError("structured_outputs cannot be combined with speculative decoding on this engine yet")
+        self._structured_spec(params)
         for cls in self.logits_processors:
             cls.validate_params(params)  # a ValueError: this request's 400
         prompt = self.process(prompt, params.truncate_prompt_tokens)
