@@ -131,8 +131,6 @@ class AsyncLLM:
         the core ends the request itself ("abort"), wherever it is (core/deadlines.py)."""
         if not self.is_running:
             raise EngineDeadError(DEAD_MESSAGE)
-        if params.n > self.config.max_n:
-            raise ValueError(f"n must be at most {self.config.max_n} (the server's --max-n), got {params.n}")
         # Capacity in flight = max_num_seqs running + max_waiting_requests queued, in sequences
         # (a request with n=8 is 8). Counted on this side (not from the engine's last stats
         # snapshot) so a burst is judged exactly.
