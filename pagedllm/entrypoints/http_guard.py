@@ -256,16 +256,22 @@ HTTP_CHOICES = ("auto", "httptools", "h11")
 LOOP_CHOICES = ("auto", "uvloop", "asyncio")
 
 
+def _fast_or_fallback(kind: str, setting: str, choices: tuple, fast: str, fallback: str) -> str:
+    """``kind`` among ``choices``: ``auto`` is the C implementation ``fast`` when installed, else
+    ``fallback``; naming ``fast`` when it is not installed is a ValueError naming ``setting``."""
+    if kind not in choices:
+        raise ValueError(f"{setting} must be one of {', '.join(choices)}, got {kind!r}")
+    if kind == fast and not _installed(fast):
+        raise ValueError(f"{setting} {fast}: the {fast} package is not installed (pip install {fast})")
+    if kind == "auto":
+        return fast if _installed(fast) else fallback
+    return kind
+
+
 def http_parser(kind: str) -> str:
     """The HTTP/1.1 parser ``kind`` names: ``auto`` is httptools when installed (the default
-    install has it), else h11; naming one that is not installed is a ValueError."""
-    if kind not in HTTP_CHOICES:
-        raise ValueError(f"uvicorn_http must be one of {', '.join(HTTP_CHOICES)}, got {kind!r}")
-    if kind == "httptools" and not _installed("httptools"):
-        raise ValueError("uvicorn_http httptools: the httptools package is not installed (pip install httptools)")
-    if kind == "auto":
-        return "httptools" if _installed("httptools") else "h11"
-    return kind
+    install has it), else h11."""
+    return _fast_or_fallback(kind, "uvicorn_http", HTTP_CHOICES, "httptools", "h11")
 
 
 def http_protocol(kind: str, header_timeout: float):
@@ -277,15 +283,8 @@ def http_protocol(kind: str, header_timeout: float):
 
 def event_loop(kind: str) -> str:
     """uvicorn's ``loop`` setting: ``auto`` is uvloop when installed (libuv: the loop's own
-    scheduling, sockets and transports in C), else asyncio's; naming uvloop when it is not
-    installed is a ValueError."""
-    if kind not in LOOP_CHOICES:
-        raise ValueError(f"uvicorn_loop must be one of {', '.join(LOOP_CHOICES)}, got {kind!r}")
-    if kind == "uvloop" and not _installed("uvloop"):
-        raise ValueError("uvicorn_loop uvloop: the uvloop package is not installed (pip install uvloop)")
-    if kind == "auto":
-        return "uvloop" if _installed("uvloop") else "asyncio"
-    return kind
+    scheduling, sockets and transports in C), else asyncio's."""
+    return _fast_or_fallback(kind, "uvicorn_loop", LOOP_CHOICES, "uvloop", "asyncio")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
