@@ -5,6 +5,7 @@ hostile, while /health is probed every 100 ms and the server's memory is sampled
     python benchmarks/soak.py                                   # 10,000 requests, concurrency 64
     python benchmarks/soak.py --num-requests 500 --concurrency 16 --out results/soak.json
     python benchmarks/soak.py -- --kv-cache-memory 256MiB       # flags after -- go to pagedllm serve
+    python benchmarks/soak.py --surfaces all --num-requests 3000 --concurrency 16   # every surface
 
 It starts the server itself (the embedded default model unless --model; a free port) and stops it
 with SIGTERM at the end. The workload (fixed seed): 20% client aborts (disconnect mid-stream, or
@@ -27,10 +28,21 @@ without a 200 is reported) and samples the server's resident memory (its process
 is held to (``--rss-tolerance``, default within 20%). At the end running/waiting requests and
 KV cache usage from /metrics must be back to 0.
 
+``--surfaces all`` (or a comma list: responses, tools, structured, beam, lora, kv_tier, images,
+pooling; benchmarks/soak_surfaces.py) mixes every surface a user hits into the same soak: the
+generating server runs with two LoRA adapters built at start-up, tools and the disk KV offload
+tier, a tiny LLaVA server takes the images and two tiny pooling servers (an embedding model and
+a cross-encoder) the pooling routes, all started side by side; the default mix above keeps the
+share the surfaces leave (40% with all of them). Responses flows (create, read back, follow up,
+poll a background one, cancel, delete) are one row each, their calls judged one by one. Every
+server is held to the same rules: its own /health probe, RSS (at ready, after the warm-up, at the
+end), idle /metrics and exit status; a per-server table follows the per-kind one.
+
 Prints a table per request kind and writes JSON (with the CPU, via common.write_json). Exits 1 if
 any request got a 5xx (or an error event in a stream), timed out, or the server did not return
 to idle or exited badly, /health answered anything but 200 (the engine died) or went longer than
-``--health-limit-s`` without a 200, or the RSS ended above the tolerance.
+``--health-limit-s`` without a 200 or its answers' p99 passed ``--health-p99-limit-s`` (1 s), or
+the RSS ended above the tolerance -- on any of the servers.
 """
 from __future__ import annotations
 
@@ -41,6 +53,7 @@ import multiprocessing as mp
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +65,7 @@ import urllib.request
 from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import soak_surfaces as surf  # noqa: E402
 from common import print_table, write_json  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -66,13 +80,16 @@ CHATS = ["Who art thou?", "Tell me of the king.", "What news from Verona?", "hi"
 class Spec:
     """One request: ``kind`` (category/case), how to send it and what it may get back."""
 
-    __slots__ = ("kind", "method", "path", "body", "headers", "stream", "abort", "expect")
+    __slots__ = ("kind", "method", "path", "body", "headers", "stream", "abort", "expect", "server", "flow")
 
     def __init__(self, kind, method="POST", path="/v1/completions", body=None, headers=None, stream=False,
-                 abort=None, expect=("2xx",)):
+                 abort=None, expect=("2xx",), server="gen", flow=None):
         self.kind, self.method, self.path, self.body = kind, method, path, body
         self.headers = headers or {}
         self.stream, self.abort, self.expect = stream, abort, expect
+        # server: which of the soak's servers gets it (--surfaces); flow: an async function of a
+        # soak_surfaces.FlowState making several calls (a stored response read back and deleted)
+        self.server, self.flow = server, flow
 
 
 def _json_body(obj) -> bytes:
@@ -318,15 +335,23 @@ def hostile_spec(i: int, cases, category: str = "hostile") -> Spec:
                 expect=expect)
 
 
-def workload(n: int, seed: int, huge_body_bytes: int, router: bool = False) -> list[Spec]:
-    """20% aborts, 10% malformed, 5% hostile (7% with ``router``: 2% sent to it without a key)."""
+def workload(n: int, seed: int, huge_body_bytes: int, router: bool = False, surfaces=None) -> list[Spec]:
+    """20% aborts, 10% malformed, 5% hostile (7% with ``router``: 2% sent to it without a key).
+    ``surfaces`` (a soak_surfaces.Context): that mix is soak_surfaces.base_share() of the
+    requests, the rest the surfaces' own."""
     rng = random.Random(seed)
     hostile = hostile_specs(huge_body_bytes)
     no_key = router_specs(huge_body_bytes) if router else []
     names, weights = zip(*NORMAL_KINDS)
     specs, n_mal, n_host, n_router = [], 0, 0, 0
-    for _ in range(n):
+    share = surf.base_share(surfaces.surfaces) if surfaces else 1.0
+    for i in range(n):
         r = rng.random()
+        if surfaces:
+            if r >= share:
+                specs.append(surf.surface_spec(rng, r, i, surfaces, Spec))
+                continue
+            r /= share  # the default mix within its share
         if router and r >= 0.98:
             specs.append(hostile_spec(n_router, no_key, "router"))
             n_router += 1
@@ -359,6 +384,8 @@ async def send(client, base: str, spec: Spec, timeout: float, api_key: str | Non
         headers["content-type"] = "application/json"
     t0 = time.perf_counter()
     out = {"kind": spec.kind, "status": None, "outcome": None, "stream_error": None}
+    if spec.flow is not None:
+        return await send_flow(client, base, spec, timeout, headers, out, t0)
 
     async def run():
         req = client.build_request(spec.method, base + spec.path, content=spec.body, headers=headers)
@@ -410,6 +437,27 @@ async def send(client, base: str, spec: Spec, timeout: float, api_key: str | Non
     return out
 
 
+async def send_flow(client, base: str, spec: Spec, timeout: float, headers: dict, out: dict, t0: float) -> dict:
+    """A request of several calls (soak_surfaces' flows): its calls' statuses, in order, are the
+    outcome; ``steps`` keeps them with what each may get for judge()."""
+    st = surf.FlowState(client, base, {k: v for k, v in headers.items() if k != "content-type"})
+    try:
+        await asyncio.wait_for(spec.flow(st), timeout)
+    except asyncio.TimeoutError:
+        out["outcome"] = "client_timeout"
+    except Exception as e:  # noqa: BLE001 -- every failure is a result here
+        out["outcome"] = "conn_" + type(e).__name__
+    out["latency_s"] = time.perf_counter() - t0
+    out["steps"] = [(name, status, list(expect)) for name, status, expect in st.steps]
+    out["http_requests"] = len(st.steps) + (1 if out["outcome"] else 0)
+    out["status"] = st.steps[-1][1] if st.steps else None
+    out["stream_error"] = st.error
+    if out["outcome"] is None:
+        out["outcome"] = ("aborted:" if st.aborted else "") + surf.outcome_of(st.steps) + (
+            f"+error:{st.error}" if st.error else "")
+    return out
+
+
 def _error_shape_ok(body: bytes) -> bool:
     """An OpenAI-shaped error: {"error": {"message", "type", "code" (not null), ...}}."""
     try:
@@ -423,6 +471,14 @@ def judge(spec: Spec, out: dict) -> str:
     """ok, server_error (5xx or an error event with a 5xx-like code), stall (no answer in time), or
     unexpected (an answer of another class than expected)."""
     status, outcome = out["status"], out["outcome"]
+    if out.get("steps") is not None:  # a flow: each call judged
+        if any(s is not None and s >= 500 for _, s, _ in out["steps"]) or out["stream_error"]:
+            return "server_error"
+        if outcome == "client_timeout":
+            return "stall"
+        if outcome.startswith("conn_"):
+            return "unexpected"
+        return "ok" if all(_status_class(s) in exp or str(s) in exp for _, s, exp in out["steps"]) else "unexpected"
     if status is not None and status >= 500:
         return "server_error"
     if out["stream_error"] in ("request_failed", "internal_error", "engine_dead", "server_error"):
@@ -435,7 +491,7 @@ def judge(spec: Spec, out: dict) -> str:
         # The server closed the connection: acceptable only when it refused the request itself
         # (a body over the limit may be cut while still uploading).
         return "ok" if spec.kind in ("hostile/huge_body", "hostile/huge_header", "hostile/lora_huge_body") \
-            or spec.kind.startswith("router/no_key") else "unexpected"
+            or spec.kind.startswith("router/no_key") or "closed" in spec.expect else "unexpected"
     cls = _status_class(status)
     if cls in spec.expect or str(status) in spec.expect:
         return "ok"
@@ -444,11 +500,18 @@ def judge(spec: Spec, out: dict) -> str:
     return "unexpected"
 
 
-async def drive(base: str, specs: list[Spec], concurrency: int, timeout: float,
+async def drive(base, specs: list[Spec], concurrency: int, timeout: float,
                 api_key: str | None = None) -> list[dict]:
+    """``base``: the URL of the server, or {server name: URL} (each spec goes to its ``server``)."""
     import httpx
 
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency)
+    bases = base if isinstance(base, dict) else {"gen": base}
+
+    # idle connections dropped after 2 s, before the server's 5 s keep-alive timeout closes them: a
+    # request written on a connection the server is closing at that moment would fail with a reset
+    # that is the race's, not the server's
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency,
+                          keepalive_expiry=2.0)
     results: list[dict] = [None] * len(specs)  # type: ignore[list-item]
     nxt = iter(range(len(specs)))
     done = [0]
@@ -457,7 +520,10 @@ async def drive(base: str, specs: list[Spec], concurrency: int, timeout: float,
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout)) as client:
         async def worker():
             for i in nxt:
-                out = await send(client, base, specs[i], timeout, api_key)
+                started = time.time()
+                out = await send(client, bases[specs[i].server], specs[i], timeout, api_key)
+                out["wall"] = (started, time.time())  # to tell what was in flight during a /health gap
+                out["server"] = specs[i].server
                 out["verdict"] = judge(specs[i], out)
                 results[i] = out
                 done[0] += 1
@@ -521,21 +587,24 @@ def rss_by_process(pids) -> dict:
 
 def monitor(url: str, pids: list[int], interval: float, stop, conn) -> None:
     """In its own process: GET /health every ``interval`` s (5 s timeout) and the server's RSS every
-    0.5 s until ``stop`` is set; sends back the probe counts, the longest time without a 200 and
-    the RSS samples."""
+    0.5 s until ``stop`` is set; sends back the probe counts, the longest time without a 200 (and
+    the wall-clock time it began), the answer times' p50 / p99 and the RSS samples (each
+    process's every 5 s)."""
     from common import HealthProbe
 
     health = HealthProbe(url, timeout=5)
-    probes, non200, failures = 0, Counter(), 0
+    probes, non200, failures, latencies = 0, Counter(), 0, []
     t_start = last_ok = time.monotonic()
     longest, longest_at, slowest = 0.0, None, 0.0
-    rss, next_rss = [], 0.0
+    rss, next_rss, by_process, next_by_process = [], 0.0, [], 0.0
+    wall = time.time() - t_start  # monotonic -> wall clock
     while not stop.is_set():
         t = time.monotonic()
         code = health.status()
         now = time.monotonic()
         probes += 1
         slowest = max(slowest, now - t)
+        latencies.append(now - t)
         if code == 200:
             if now - last_ok > longest:
                 longest, longest_at = now - last_ok, last_ok - t_start
@@ -546,12 +615,18 @@ def monitor(url: str, pids: list[int], interval: float, stop, conn) -> None:
         if now >= next_rss:
             rss.append((now - t_start, tree_rss(pids)))
             next_rss = now + 0.5
+        if now >= next_by_process:
+            by_process.append((round(now - t_start, 1), rss_by_process(pids)))
+            next_by_process = now + 5.0
         time.sleep(max(0.0, interval - (time.monotonic() - t)))
     now = time.monotonic()
     if now - last_ok > longest:
         longest, longest_at = now - last_ok, last_ok - t_start
     conn.send({"probes": probes, "non_200": dict(non200), "longest_gap_s": longest, "slowest_probe_s": slowest,
-               "longest_gap_starts_at_s": longest_at, "rss": rss})
+               "p50_s": _pct(latencies, 0.5), "p99_s": _pct(latencies, 0.99),
+               "longest_gap_starts_at_s": longest_at,
+               "longest_gap_wall": (wall + t_start + longest_at, wall + t_start + longest_at + longest)
+               if longest_at is not None else None, "rss": rss, "rss_by_process_timeline": by_process})
     conn.close()
 
 
@@ -569,6 +644,9 @@ def scrape(base: str) -> dict:
         if name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                     "prompt_tokens_total", "generation_tokens_total", "num_preemptions_total"):
             out[name] = out.get(name, 0.0) + value
+        elif name.startswith(("kv_offload_", "external_prefix_cache_")) and not name.endswith(
+                ("_created", "_bucket")):  # the KV offload tier (--kv-offloading-size)
+            out.setdefault("kv_tier", {})[name] = out.get("kv_tier", {}).get(name, 0.0) + value
         elif name == "request_success_total":
             reason = re.search(r'finished_reason="(\w+)"', labels)
             if reason:
@@ -589,26 +667,39 @@ def wait_idle(base: str, timeout: float) -> tuple[dict, float | None]:
         time.sleep(0.2)
 
 
-def start_server(model: str | None, extra: list[str], log_path: str, timeout: float, cmd=None):
-    """``pagedllm serve`` (or ``cmd`` + ``--port``) until its /health answers 200."""
+def serve_cmd(model: str | None, served_name: str, flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"] + ([model] if model else []) + [
+        "--log-level", "info", "--served-model-name", served_name] + flags
+
+
+def launch_server(cmd: list[str], log_path: str):
+    """Start ``cmd`` + ``--port`` (a free one): (process, base URL, the command, start time)."""
     port = free_port()
-    if cmd is None:
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve"] + ([model] if model else [])
-        cmd += ["--log-level", "info", "--served-model-name", "tiny-shakespeare"] + extra
     cmd = cmd + ["--port", str(port)]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
+    return proc, f"http://127.0.0.1:{port}", cmd, time.monotonic()
+
+
+def wait_ready(proc, base: str, t0: float, timeout: float, log_path: str) -> float:
+    """Seconds from the start until its /health answered 200."""
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; log: {log_path}")
         if _get(base + "/health", timeout=1)[0] == 200:
-            return proc, base, cmd, time.monotonic() - t0
+            return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
             proc.kill()
             raise RuntimeError(f"server not ready after {timeout} s; log: {log_path}")
         time.sleep(0.05)
+
+
+def start_server(model: str | None, extra: list[str], log_path: str, timeout: float, cmd=None):
+    """``pagedllm serve`` (or ``cmd`` + ``--port``) until its /health answers 200."""
+    if cmd is None:
+        cmd = serve_cmd(model, "tiny-shakespeare", extra)
+    proc, base, cmd, t0 = launch_server(cmd, log_path)
+    return proc, base, cmd, wait_ready(proc, base, t0, timeout, log_path)
 
 
 def stop_server(proc) -> int:
@@ -645,6 +736,19 @@ def summarize(results: list[dict]) -> list[dict]:
     return rows
 
 
+def _log_facts(log_path: str) -> dict:
+    with open(log_path, errors="replace") as f:
+        text = f.read()
+    m = re.search(r"kernels (loaded \(level \w+|unavailable|disabled)", text)
+    k = re.search(r"KV cache:? ([0-9.]+ [KMG]iB)", text)
+    return {"tracebacks": text.count("Traceback"), "kernels": m.group(1).replace("loaded (level ", "") if m else None,
+            "kv_cache": k.group(1) if k else None}
+
+
+def _mib(b) -> float | None:
+    return round(b / (1 << 20), 1) if b else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=10000)
@@ -657,10 +761,19 @@ def main() -> int:
     ap.add_argument("--health-interval", type=float, default=0.1)
     ap.add_argument("--huge-body-mib", type=float, default=8.0, help="size of the hostile huge-body request")
     ap.add_argument("--startup-timeout", type=float, default=300.0)
-    ap.add_argument("--server-log", default=None, help="the server's output (default: a temporary file)")
+    ap.add_argument("--server-log", default=None, help="the server's output (default: a temporary file; with "
+                                                      "--surfaces the other servers' beside it, .llava ...)")
     ap.add_argument("--router", action="store_true",
                     help="the server with an API key behind pagedllm router --api-key; requests go through the router "
                          "(with the key), plus a category sent to it without the key")
+    ap.add_argument("--surfaces", default="none",
+                    help="all, or a comma list of " + ", ".join(surf.SURFACES) + ": every surface a user hits, each "
+                         "server started with the flags that turn them on (images and pooling on servers of their "
+                         "own), the default mix taking the share the surfaces leave (benchmarks/soak_surfaces.py); "
+                         "default none")
+    ap.add_argument("--assets-dir", default=None,
+                    help="--surfaces: build (or reuse) the adapters and checkpoints here and keep them (default: a "
+                         "temporary directory, removed at the end)")
     ap.add_argument("--warmup", type=int, default=200,
                     help="well-formed requests before the soak; the RSS after them is the baseline")
     ap.add_argument("--warmup-mixed", type=int, default=0,
@@ -673,73 +786,140 @@ def main() -> int:
                     help="the RSS at the end may exceed the post-warm-up RSS by this fraction (default 0.2)")
     ap.add_argument("--health-limit-s", type=float, default=1.0,
                     help="the longest time /health may go without a 200 (default 1 s)")
+    ap.add_argument("--health-p99-limit-s", type=float, default=1.0,
+                    help="the 99th percentile of /health's answer time (default 1 s)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "soak.json"))
-    ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra flags for pagedllm serve (after --)")
+    ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="extra flags for pagedllm serve (after --; with "
+                                                                 "--surfaces, for the generating server)")
     args = ap.parse_args()
     extra = [a for a in args.serve_args if a != "--"]
+    try:
+        surfaces = surf.parse_surfaces(args.surfaces)
+    except ValueError as e:
+        ap.error(str(e))
+    if surfaces and (args.router or args.base_url):
+        ap.error("--surfaces starts its own servers: not with --router or --base-url")
 
     huge = int(args.huge_body_mib * (1 << 20))
+    workdir = ctx = None
+    plans = {"gen": {"model": args.model, "name": "tiny-shakespeare", "flags": []}}
+    if surfaces:
+        workdir = args.assets_dir or tempfile.mkdtemp(prefix="pagedllm-soak-surfaces-")
+        os.makedirs(workdir, exist_ok=True)
+        t = time.monotonic()
+        r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "soak_surfaces.py"), "build", workdir,
+                            args.model or surf.DEFAULT_MODEL, ",".join(surfaces)], cwd=REPO, capture_output=True,
+                           text=True)
+        if r.returncode != 0:
+            print(r.stdout[-3000:] + r.stderr[-3000:], file=sys.stderr)
+            return 2
+        assets = json.loads(r.stdout.strip().splitlines()[-1])
+        print(f"surfaces {', '.join(surfaces)}: adapters and checkpoints built in {time.monotonic() - t:.1f} s under "
+              f"{workdir}")
+        ctx = surf.Context(args.seed, surfaces, assets)
+        plans = surf.server_plans(surfaces, assets)
+        plans["gen"]["model"] = args.model
     # --warmup-mixed: the warm-up is the head of the same mixed workload (the soak is its tail, so
     # every "distinct" body stays distinct): the baseline is taken after the server met each kind once
-    specs = workload(args.warmup_mixed + args.num_requests, args.seed, huge, router=args.router)
+    specs = workload(args.warmup_mixed + args.num_requests, args.seed, huge, router=args.router, surfaces=ctx)
     warm = [normal_spec(random.Random(args.seed + 1 + k), "completion") for k in range(args.warmup)]
+    if ctx:  # and each surface's well-formed requests, on every server
+        warm += surf.warmup_specs(args.seed, ctx, Spec)
     warm, specs = warm + specs[:args.warmup_mixed], specs[args.warmup_mixed:]
     log_path = args.server_log or tempfile.mkstemp(prefix="pagedllm-soak-", suffix=".log")[1]
-    proc, server_cmd, ready_s, router_proc, api_key = None, None, None, None, None
-    if args.base_url:
-        base = args.base_url.rstrip("/")
-    else:
-        if args.router:
-            api_key = "soak-" + os.urandom(8).hex()
-            extra = extra + ["--api-key", api_key]
-        proc, base, server_cmd, ready_s = start_server(args.model, extra, log_path, args.startup_timeout)
-        print(f"server ready after {ready_s:.1f} s at {base} (log: {log_path})")
-    server_base = base  # /health, /metrics and RSS: the server itself
-    if args.router and proc:
-        router_cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--backends", base,
-                      "--api-key", api_key, "--routing", "least_loaded", "--log-level", "warning",
-                      "--max-request-body-size", str(4 << 20)]
-        router_proc, base, _, _ = start_server(None, [], log_path + ".router", args.startup_timeout, router_cmd)
-        print(f"router ready at {base}")
-    pids = [p.pid for p in (proc, router_proc) if p] or [os.getpid()]
-    warm_verdicts: dict = {}
-    if warm:
-        for out in asyncio.run(drive(base, warm, min(args.concurrency, 16), args.request_timeout, api_key)):
-            warm_verdicts[out["verdict"]] = warm_verdicts.get(out["verdict"], 0) + 1
-        wait_idle(server_base, timeout=60)
+    # name -> {proc, base (where requests go), server_base (/health, /metrics, RSS), pids, log, cmd, ready_s}
+    servers: dict[str, dict] = {}
+    router_proc, api_key = None, None
+    try:
+        if args.base_url:
+            base = args.base_url.rstrip("/")
+            servers["gen"] = {"proc": None, "base": base, "server_base": base, "pids": [os.getpid()], "log": None,
+                              "cmd": None, "ready_s": None}
+        else:
+            if args.router:
+                api_key = "soak-" + os.urandom(8).hex()
+                extra = extra + ["--api-key", api_key]
+            launched = {}
+            for name, plan in plans.items():  # all at once: they load side by side
+                log = log_path if name == "gen" else f"{log_path}.{name}"
+                cmd = serve_cmd(plan["model"], plan["name"], plan["flags"] + (extra if name == "gen" else []))
+                launched[name] = (*launch_server(cmd, log), log)
+            for name, (proc, base, cmd, t0, log) in launched.items():
+                servers[name] = {"proc": proc, "base": base, "server_base": base, "pids": [proc.pid], "log": log,
+                                 "cmd": cmd, "ready_s": None}
+            for name, (proc, base, cmd, t0, log) in launched.items():
+                servers[name]["ready_s"] = wait_ready(proc, base, t0, args.startup_timeout, log)
+                print(f"server {name} ready after {servers[name]['ready_s']:.1f} s at {base} (log: {log})")
+        gen = servers["gen"]
+        if args.router and gen["proc"]:
+            router_cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "router", "--backends", gen["base"],
+                          "--api-key", api_key, "--routing", "least_loaded", "--log-level", "warning",
+                          "--max-request-body-size", str(4 << 20)]
+            router_proc, gen["base"], _, _ = start_server(None, [], log_path + ".router", args.startup_timeout,
+                                                          router_cmd)
+            gen["pids"].append(router_proc.pid)
+            print(f"router ready at {gen['base']}")
+        started = bool(gen["proc"])
+        for sv in servers.values():
+            sv["rss_ready"] = tree_rss(sv["pids"]) if started else None
+        bases = {name: sv["base"] for name, sv in servers.items()}
+        warm_verdicts: dict = {}
+        if warm:
+            for out in asyncio.run(drive(bases, warm, min(args.concurrency, 16), args.request_timeout, api_key)):
+                warm_verdicts[out["verdict"]] = warm_verdicts.get(out["verdict"], 0) + 1
+                if out["verdict"] != "ok":
+                    print(f"  warm-up {out['kind']}: {out['verdict']} ({out['outcome']})")
+            for sv in servers.values():
+                wait_idle(sv["server_base"], timeout=60)
+            time.sleep(args.settle_s)
+        for sv in servers.values():
+            sv["rss_warm"] = tree_rss(sv["pids"]) if started else None
+            sv["rss_warm_by_process"] = rss_by_process(sv["pids"]) if started else None
+        mp_ctx = mp.get_context("spawn")
+        stop = mp_ctx.Event()
+        for sv in servers.values():
+            parent, child = mp_ctx.Pipe(duplex=False)
+            sv["monitor"] = mp_ctx.Process(target=monitor, args=(sv["server_base"], sv["pids"], args.health_interval,
+                                                                  stop, child), daemon=True)
+            sv["monitor_conn"] = parent
+            sv["monitor"].start()
+        time.sleep(0.3)
+        for sv in servers.values():
+            sv["before"] = scrape(sv["server_base"])
+        t0, t_wall0 = time.perf_counter(), time.time()
+        results = asyncio.run(drive(bases, specs, args.concurrency, args.request_timeout, api_key))
+        elapsed = time.perf_counter() - t0
+        for sv in servers.values():
+            sv["after"], sv["drained_s"] = wait_idle(sv["server_base"], timeout=60)
+        for sv in servers.values():
+            sv["rss_idle_at_once"] = tree_rss(sv["pids"]) if started else None
         time.sleep(args.settle_s)
-    rss_warm = tree_rss(pids) if proc else None
-    rss_warm_by_process = rss_by_process(pids) if proc else None
-    ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    parent, child = ctx.Pipe(duplex=False)
-    mon = ctx.Process(target=monitor, args=(server_base, pids, args.health_interval, stop, child), daemon=True)
-    mon.start()
-    time.sleep(0.3)
-    before = scrape(server_base)
-    t0 = time.perf_counter()
-    results = asyncio.run(drive(base, specs, args.concurrency, args.request_timeout, api_key))
-    elapsed = time.perf_counter() - t0
-    after, drained_s = wait_idle(server_base, timeout=60)
-    rss_idle_at_once = tree_rss(pids) if proc else None
-    time.sleep(args.settle_s)
-    rss_end = tree_rss(pids) if proc else None
-    rss_end_by_process = rss_by_process(pids) if proc else None
-    stop.set()
-    health = parent.recv() if parent.poll(30) else {}
-    mon.join(10)
-    if router_proc:
-        stop_server(router_proc)
-    exit_code = stop_server(proc) if proc else None
-    tracebacks = server_kernels = server_kv_cache = None
-    if proc:
-        with open(log_path, errors="replace") as f:
-            log_text = f.read()
-        tracebacks = log_text.count("Traceback")
-        m = re.search(r"kernels (loaded \(level \w+|unavailable|disabled)", log_text)
-        server_kernels = m.group(1).replace("loaded (level ", "") if m else None
-        m = re.search(r"KV cache:? ([0-9.]+ [KMG]iB)", log_text)
-        server_kv_cache = m.group(1) if m else None
+        for sv in servers.values():
+            sv["rss_end"] = tree_rss(sv["pids"]) if started else None
+            sv["rss_end_by_process"] = rss_by_process(sv["pids"]) if started else None
+        stop.set()
+        for sv in servers.values():
+            sv["health"] = sv["monitor_conn"].recv() if sv["monitor_conn"].poll(30) else {}
+            sv["monitor"].join(10)
+        if router_proc:
+            stop_server(router_proc)
+            router_proc = None
+        for sv in servers.values():
+            sv["exit_code"] = stop_server(sv["proc"]) if sv["proc"] else None
+            sv["log_facts"] = _log_facts(sv["log"]) if sv["proc"] else {}
+    finally:  # a failure on the way: no server left behind
+        for p in [router_proc] + [sv.get("proc") for sv in servers.values()]:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+        if workdir and not args.assets_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    proc = gen["proc"]
+    health, after, drained_s, before = gen["health"], gen["after"], gen["drained_s"], gen["before"]
+    rss_warm, rss_end, rss_idle_at_once = gen["rss_warm"], gen["rss_end"], gen["rss_idle_at_once"]
+    exit_code, facts = gen["exit_code"], gen["log_facts"]
+    tracebacks, server_kernels, server_kv_cache = facts.get("tracebacks"), facts.get("kernels"), facts.get("kv_cache")
 
     rows = summarize(results)
     print()
@@ -747,6 +927,34 @@ def main() -> int:
                        "outcomes"])
     verdicts = Counter(r["verdict"] for r in results)
     categories = Counter(r["kind"].split("/")[0] for r in results)
+    per_server = {}
+    for name, sv in servers.items():
+        h, rss = sv["health"], sv["health"].get("rss", []) if sv["proc"] else []
+        rss_mib = [b / (1 << 20) for _, b in rss]
+        growth = round(sv["rss_end"] / sv["rss_warm"] - 1, 3) if sv["rss_warm"] else None
+        # what this server had in flight during its longest /health gap (started before the gap
+        # ended, ended after it began)
+        gap = h.get("longest_gap_wall")
+        in_gap = Counter(r["kind"] for r in results if gap and r.get("server") == name
+                         and r["wall"][0] <= gap[1] and r["wall"][1] >= gap[0])
+        per_server[name] = {
+            "requests": sum(1 for s in specs if s.server == name),
+            "health_probes": h.get("probes"), "health_non_200": h.get("non_200"),
+            "health_p50_s": round(h["p50_s"], 4) if "p50_s" in h else None,
+            "health_p99_s": round(h["p99_s"], 4) if "p99_s" in h else None,
+            "health_max_s": round(h["slowest_probe_s"], 3) if "slowest_probe_s" in h else None,
+            "health_longest_gap_s": round(h["longest_gap_s"], 3) if "longest_gap_s" in h else None,
+            "rss_at_ready_mib": _mib(sv["rss_ready"]), "rss_after_warmup_mib": _mib(sv["rss_warm"]),
+            "rss_peak_mib": round(max(rss_mib), 1) if rss_mib else None,
+            "rss_when_idle_before_settling_mib": _mib(sv["rss_idle_at_once"]),
+            "rss_after_idle_mib": _mib(sv["rss_end"]), "rss_growth": growth,
+            "rss_by_process_mib": {"after_warmup": sv["rss_warm_by_process"], "after_idle": sv["rss_end_by_process"]},
+            "rss_by_process_timeline_mib": h.get("rss_by_process_timeline"),
+            "health_longest_gap_in_flight": dict(in_gap.most_common(12)),
+            "idle_at_end": sv["drained_s"] is not None, "drained_after_s": sv["drained_s"],
+            "metrics_after": sv["after"], "exit_code": sv["exit_code"], "log_tracebacks": sv["log_facts"].get(
+                "tracebacks"), "log": sv["log"], "cmd": sv["cmd"], "ready_s": sv["ready_s"],
+        }
     rss = health.get("rss", []) if proc else []
     rss_mib = [b / (1 << 20) for _, b in rss]
     # Ten points over the run (time s, MiB): growth that flattens is the KV cache's pages being
@@ -755,6 +963,7 @@ def main() -> int:
                 for i in sorted({min(len(rss) - 1, k * len(rss) // 10) for k in range(11)})] if rss else []
     summary = {
         "num_requests": len(results), "concurrency": args.concurrency, "seed": args.seed,
+        "http_requests": sum(r.get("http_requests", 1) for r in results),
         "elapsed_s": round(elapsed, 2), "requests_per_s": round(len(results) / elapsed, 1),
         "categories": dict(categories), "verdicts": dict(verdicts),
         "status_5xx": verdicts.get("server_error", 0), "unexpected": verdicts.get("unexpected", 0),
@@ -762,30 +971,39 @@ def main() -> int:
         "errors_not_openai_shaped": sorted({r["kind"] for r in results if r.get("error_shape_ok") is False}),
         "failing_kinds": sorted({r["kind"] for r in results if r["verdict"] in ("server_error", "stall")}),
         "unexpected_kinds": sorted({f"{r['kind']}:{r['outcome']}" for r in results if r["verdict"] == "unexpected"}),
+        "connection_errors": [{"kind": r["kind"], "server": r.get("server"), "outcome": r["outcome"],
+                               "latency_s": round(r["latency_s"], 3), "at_s": round(r["wall"][0] - t_wall0, 2)}
+                              for r in results if r["outcome"].startswith("conn_")][:50],
         "health_probes": health.get("probes"), "health_non_200": health.get("non_200"),
         "health_longest_gap_s": round(health["longest_gap_s"], 3) if "longest_gap_s" in health else None,
         "health_longest_gap_starts_at_s": health.get("longest_gap_starts_at_s"),
+        "health_p50_s": per_server["gen"]["health_p50_s"], "health_p99_s": per_server["gen"]["health_p99_s"],
         "rss_mib": {"start": round(rss_mib[0], 1), "peak": round(max(rss_mib), 1),
                     "end": round(rss_mib[-1], 1)} if rss_mib else None,
         "warmup_requests": len(warm), "warmup_mixed": args.warmup_mixed, "warmup_verdicts": warm_verdicts,
-        "router": args.router,
+        "router": args.router, "surfaces": list(surfaces),
+        "rss_at_ready_mib": per_server["gen"]["rss_at_ready_mib"],
         "rss_after_warmup_mib": round(rss_warm / (1 << 20), 1) if rss_warm else None,
         "rss_after_idle_mib": round(rss_end / (1 << 20), 1) if rss_end else None,
         "rss_growth": round(rss_end / rss_warm - 1, 3) if rss_warm else None,
         "rss_when_idle_before_settling_mib": round(rss_idle_at_once / (1 << 20), 1) if rss_idle_at_once else None,
         "settle_s": args.settle_s,
-        "rss_by_process_mib": {"after_warmup": rss_warm_by_process, "after_idle": rss_end_by_process},
+        "rss_by_process_mib": {"after_warmup": gen["rss_warm_by_process"], "after_idle": gen["rss_end_by_process"]},
         "health_slowest_probe_s": round(health["slowest_probe_s"], 3) if "slowest_probe_s" in health else None,
         "metrics_before": before, "metrics_after": after, "drained_after_s": drained_s,
         "idle_at_end": drained_s is not None,
+        "kv_tier": {k: after.get("kv_tier", {}).get(k, 0) - before.get("kv_tier", {}).get(k, 0)
+                    for k in after.get("kv_tier", {})} if after.get("kv_tier") else None,
         "rss_timeline_mib": timeline,
-        "server_ready_s": ready_s, "server_kernels": server_kernels, "server_kv_cache": server_kv_cache, "server_exit_code": exit_code, "server_log_tracebacks": tracebacks,
-        "server_log": log_path if proc else None, "server_cmd": server_cmd, "argv": sys.argv,
+        "server_ready_s": gen["ready_s"], "server_kernels": server_kernels, "server_kv_cache": server_kv_cache,
+        "server_exit_code": exit_code, "server_log_tracebacks": tracebacks,
+        "server_log": log_path if proc else None, "server_cmd": gen["cmd"], "argv": sys.argv,
+        "servers": per_server,
         "kinds": rows,
     }
     print()
-    print(f"{len(results)} requests at concurrency {args.concurrency} in {elapsed:.1f} s "
-          f"({summary['requests_per_s']} req/s): {dict(categories)}")
+    print(f"{len(results)} requests ({summary['http_requests']} HTTP requests) at concurrency {args.concurrency} in "
+          f"{elapsed:.1f} s ({summary['requests_per_s']} req/s): {dict(categories)}")
     print(f"5xx: {summary['status_5xx']}  stalls: {summary['stalls']}  unexpected status: {summary['unexpected']}"
           + (f" ({', '.join(summary['unexpected_kinds'][:10])})" if summary["unexpected"] else ""))
     if summary["errors_not_openai_shaped"]:
@@ -794,7 +1012,11 @@ def main() -> int:
         print(f"FAILING kinds: {', '.join(summary['failing_kinds'])}")
     if health:
         print(f"/health: {health['probes']} probes, non-200 {health['non_200'] or 0}, longest gap without a 200 "
-              f"{health['longest_gap_s'] * 1000:.0f} ms")
+              f"{health['longest_gap_s'] * 1000:.0f} ms, p99 {health['p99_s'] * 1000:.0f} ms")
+    for name, v in per_server.items():
+        if (v["health_longest_gap_s"] or 0) > args.health_limit_s:
+            print(f"/health of {name}: its longest gap ({v['health_longest_gap_s']} s) had in flight: "
+                  + ", ".join(f"{k} x{c}" for k, c in v["health_longest_gap_in_flight"].items()))
     if rss_warm:
         print(f"RSS after warm-up {summary['rss_after_warmup_mib']} MiB, after the soak (idle) "
               f"{summary['rss_after_idle_mib']} MiB: {100 * summary['rss_growth']:+.1f}% "
@@ -809,17 +1031,37 @@ def main() -> int:
           f"{after.get('num_requests_waiting')}, KV usage {after.get('kv_cache_usage_perc')}"
           + (f" (idle {drained_s:.1f} s after the last answer)" if drained_s is not None else " -- NOT IDLE")
           + f"; finished sequences by reason {after.get('finished')}")
+    if summary["kv_tier"]:
+        print("KV offload tier over the soak: "
+              + ", ".join(f"{k} {v:g}" for k, v in sorted(summary["kv_tier"].items())))
     if proc:
         print(f"server exit code after SIGTERM: {exit_code}; tracebacks in its log: {tracebacks}")
+    if len(servers) > 1:
+        print()
+        print_table([{"server": name, "requests": v["requests"], "health_probes": v["health_probes"],
+                      "non_200": sum((v["health_non_200"] or {}).values()),
+                      "p99_ms": round(1000 * (v["health_p99_s"] or 0), 1),
+                      "max_ms": round(1000 * (v["health_max_s"] or 0)),
+                      "gap_ms": round(1000 * (v["health_longest_gap_s"] or 0)),
+                      "rss_ready": v["rss_at_ready_mib"], "rss_warm": v["rss_after_warmup_mib"],
+                      "rss_peak": v["rss_peak_mib"], "rss_end": v["rss_after_idle_mib"],
+                      "growth_%": round(100 * v["rss_growth"], 1) if v["rss_growth"] is not None else None,
+                      "idle": v["idle_at_end"], "exit": v["exit_code"], "tracebacks": v["log_tracebacks"]}
+                     for name, v in per_server.items()],
+                    ["server", "requests", "health_probes", "non_200", "p99_ms", "max_ms", "gap_ms", "rss_ready",
+                     "rss_warm", "rss_peak", "rss_end", "growth_%", "idle", "exit", "tracebacks"])
     if args.out:
         print(f"wrote {args.out}")
+    every = per_server.values()
     summary_gates = {
-        "no_5xx": not summary["status_5xx"], "no_stalls": not summary["stalls"], "idle_at_end": summary["idle_at_end"],
+        "no_5xx": not summary["status_5xx"], "no_stalls": not summary["stalls"],
+        "idle_at_end": all(v["idle_at_end"] for v in every),
         "warmup_all_ok": set(warm_verdicts) <= {"ok"},
-        "server_exit_0": not proc or exit_code == 0,
-        "health_always_200": not health.get("non_200"),
-        "health_within_limit": health.get("longest_gap_s", 0.0) <= args.health_limit_s,
-        "rss_within_tolerance": summary["rss_growth"] is None or summary["rss_growth"] <= args.rss_tolerance,
+        "server_exit_0": not proc or all(v["exit_code"] == 0 for v in every),
+        "health_always_200": not any(v["health_non_200"] for v in every),
+        "health_within_limit": all((v["health_longest_gap_s"] or 0.0) <= args.health_limit_s for v in every),
+        "health_p99_within_limit": all((v["health_p99_s"] or 0.0) <= args.health_p99_limit_s for v in every),
+        "rss_within_tolerance": all(v["rss_growth"] is None or v["rss_growth"] <= args.rss_tolerance for v in every),
     }
     failed = [k for k, v in summary_gates.items() if not v]
     print("gates: " + ("all passed" if not failed else "FAILED " + ", ".join(failed)))
