@@ -98,6 +98,12 @@ def test_each_http_parser_answers_unparseable_requests_with_json_400_and_closes_
             t0 = time.monotonic()
             assert s.recv(100) == b""  # closed by the server
             assert time.monotonic() - t0 < 5
+        # headers past the bound: refused (h11's own 400 comes first; httptools would buffer any size) and closed
+        for size in (200_000, 3_000_000):
+            r = httpx.get(live.url + "/v1/models", headers={"x-junk": "j" * size}, timeout=30)
+            assert r.status_code in (400, 431) and r.json()["error"]["type"] == "invalid_request_error", r.text
+        ok = httpx.get(live.url + "/v1/models", headers={"x-fine": "f" * 30_000}, timeout=30)
+        assert ok.status_code == 200 or (http == "h11" and ok.status_code == 400)
         assert httpx.get(live.url + "/health", timeout=30).status_code == 200
     finally:
         live.stop()
