@@ -6,13 +6,13 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
-from pagedllm.entrypoints.openai.protocol import UsageInfo, _Request
+from pagedllm.entrypoints.openai.protocol_base import RequestModel, UsageInfo
 
 # a string, strings, token ids, or lists of token ids
 EmbeddingInput = Union[str, list[str], list[int], list[list[int]]]
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestModel):
     input: EmbeddingInput
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -21,7 +21,7 @@ class EmbeddingRequest(_Request):
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: at most N tokens per input (-1: max_model_len)
 
 
-class PoolingRequest(_Request):
+class PoolingRequest(RequestModel):
     input: EmbeddingInput
     model: Optional[str] = None
     encoding_format: Literal["float", "base64"] = "float"
@@ -31,7 +31,7 @@ class PoolingRequest(_Request):
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: at most N tokens per input (-1: max_model_len)
 
 
-class ScoreRequest(_Request):
+class ScoreRequest(RequestModel):
     text_1: Union[str, list[str]]
     text_2: Union[str, list[str]]
     model: Optional[str] = None
@@ -39,7 +39,7 @@ class ScoreRequest(_Request):
     truncate_prompt_tokens: Optional[int] = None
 
 
-class RerankRequest(_Request):
+class RerankRequest(RequestModel):
     query: str
     documents: list[str]
     model: Optional[str] = None

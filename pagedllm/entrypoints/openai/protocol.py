@@ -25,9 +25,6 @@ from pagedllm.entrypoints.openai.protocol_completions import (  # noqa: F401  (r
     LogprobInfo, PromptInput, PromptLogprobsOut,
 )
 
-# The name this module had before the split (responses_protocol and pooling_protocol import it).
-_Request = RequestModel
-
 
 # ---- models, tokenizer, misc -----------------------------------------------------------------
 class ModelCard(BaseModel):

@@ -17,10 +17,10 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.entrypoints.openai.protocol import _Request
+from pagedllm.entrypoints.openai.protocol_base import RequestModel
 
 
-class ResponsesFunctionTool(_Request):
+class ResponsesFunctionTool(RequestModel):
     type: Literal["function"]
     name: str
     description: Optional[str] = None
@@ -28,12 +28,12 @@ class ResponsesFunctionTool(_Request):
     strict: Optional[bool] = None
 
 
-class ResponsesNamedToolChoice(_Request):
+class ResponsesNamedToolChoice(RequestModel):
     type: Literal["function"]
     name: str
 
 
-class ResponsesTextFormat(_Request):
+class ResponsesTextFormat(RequestModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
@@ -43,21 +43,21 @@ class ResponsesTextFormat(_Request):
     strict: Optional[bool] = None
 
 
-class ResponsesText(_Request):
+class ResponsesText(RequestModel):
     format: Optional[ResponsesTextFormat] = None
 
 
-class ResponsesReasoning(_Request):
+class ResponsesReasoning(RequestModel):
     effort: Optional[Literal["none", "minimal", "low", "medium", "high", "xhigh"]] = None
     summary: Optional[Literal["auto", "concise", "detailed"]] = None  # refused: no summaries here
     generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None  # its older name, refused too
 
 
-class ResponsesStreamOptions(_Request):
+class ResponsesStreamOptions(RequestModel):
     include_obfuscation: Optional[bool] = None  # accepted: this server never pads events (no obfuscation field)
 
 
-class ResponsesRequest(_Request):
+class ResponsesRequest(RequestModel):
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None
