@@ -31,7 +31,7 @@ import asyncio
 from typing import Optional
 
 from pagedllm.engine.protocol import EngineClient
-from pagedllm.entrypoints.openai.chat_prompt import render_chat, template_kwargs
+from pagedllm.entrypoints.openai.chat_prompt import render_chat
 from pagedllm.entrypoints.openai.protocol_chat import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_completions import CompletionRequest
 from pagedllm.entrypoints.openai.serving_base import ServingBase, ServingOptions
@@ -55,9 +55,6 @@ class OpenAIServing(ServingBase):
         super().__init__(engine, served_model_names, model_path, options)
         self.completions = ServingCompletions(self)
         self.chat = ServingChat(self)
-
-    # serving_pooling's /tokenize of chat messages reads this name; the function is chat_prompt.template_kwargs
-    _template_kwargs = staticmethod(template_kwargs)
 
     async def create_completion(self, req: CompletionRequest, timeout: Optional[float] = None):
         return await self.completions.create(req, timeout)

@@ -245,7 +245,7 @@ class PoolingServing:
         return msgspec.json.encode({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     def _chat_tokens(self, req: TokenizeRequest) -> list[int]:
-        from pagedllm.entrypoints.openai.serving import OpenAIServing
+        from pagedllm.entrypoints.openai.chat_prompt import template_kwargs
         from pagedllm.entrypoints.openai.tool_calls import template_message
         from pagedllm.multimodal.chat_content import ContentError, flatten_content
         from pagedllm.tokenizer.tokenizer import apply_chat_template
@@ -264,8 +264,8 @@ class PoolingServing:
             raise APIError(400, f"the messages hold more than the {self.max_prompt_chars} characters that "
                            f"max_model_len ({self.max_model_len} tokens) could ever hold", "messages",
                            "context_length_exceeded")
-        kwargs = OpenAIServing._template_kwargs(req.chat_template_kwargs)
-        if getattr(self.engine.tokenizer, "chat_template", None) is None:
+        kwargs = template_kwargs(req.chat_template_kwargs)
+        if self.engine.tokenizer.chat_template is None:
             raise APIError(400, "messages: this model's tokenizer has no chat template (send prompt instead)",
                            "messages", "invalid_value")
         try:
