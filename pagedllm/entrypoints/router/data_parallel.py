@@ -101,20 +101,20 @@ def replica_gpu_env(config: EngineConfig, dp: int) -> list[dict[str, str]]:
 
 def child_flags(serve_parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
     """The ``pagedllm serve`` flags the user gave, rebuilt from the parsed namespace (so every
-    spelling of them works), minus the ones the launcher sets per replica."""
+    spelling of them works), minus the ones the launcher sets per replica. A flag given is a
+    value other than its default (the serve parser's own namespace of defaults: argparse lists
+    its flags only in private attributes); each serve flag is spelled after its dest, and a
+    boolean is a switch (--x, or --no-x for a BooleanOptionalAction turned off)."""
     out: list[str] = []
-    for action in serve_parser._actions:
-        dest = action.dest
-        if dest in _NOT_FORWARDED or not action.option_strings:
+    for dest, default in vars(serve_parser.parse_args([])).items():
+        if dest in _NOT_FORWARDED:
             continue
-        value = getattr(args, dest, None)
-        if value is None or value == action.default:
+        value = getattr(args, dest)
+        if value is None or value == default:
             continue
-        flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(action, argparse._StoreTrueAction):
-            out.append(flag)
         elif isinstance(value, list):
             out += [flag, *map(str, value)]
         else:
@@ -206,7 +206,7 @@ def run_data_parallel(config: EngineConfig, args: argparse.Namespace, serve_pars
     base = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", config.model,
             *child_flags(serve_parser, args)]
     commands = [base + ["--host", "127.0.0.1", "--port", str(p), *cpu_flags[i]] for i, p in enumerate(ports)]
-    given = getattr(args, "served_model_name", None)
+    given = args.served_model_name  # serve's --served-model-name: a list, or None
     names = list(given) if isinstance(given, list) else [config.served_model_name] if config.served_model_name else []
     rargs = router_args_from(args, [f"http://127.0.0.1:{p}" for p in ports], config.model, config.tokenizer, names,
                              config.block_size, args.chat_template)

@@ -55,10 +55,10 @@ def router_args_from(args: argparse.Namespace, backends, model: Optional[str], t
     from pagedllm import envs
     from pagedllm.entrypoints.router.args import RouterArgs
 
-    bounds = {"max_request_body_size": getattr(args, "max_request_body_size", None),
-              "http_read_timeout": getattr(args, "http_read_timeout", None)}
+    # ``args``: the router's or serve's flags (both have these); serve's body size may be unset
+    bounds = {"max_request_body_size": args.max_request_body_size, "http_read_timeout": args.http_read_timeout}
     return RouterArgs(
-        api_key=getattr(args, "api_key", None) or envs.api_key(), **{k: v for k, v in bounds.items() if v is not None},
+        api_key=args.api_key or envs.api_key(), **{k: v for k, v in bounds.items() if v is not None},
         backends=tuple(backends), model=model, tokenizer=tokenizer, served_model_names=tuple(served_model_names or ()),
         block_size=block_size, policy=args.routing, index_capacity_blocks=args.router_index_blocks,
         max_load_imbalance=args.router_max_load_imbalance, min_prefix_ratio=args.router_min_prefix_ratio, health_interval_s=args.router_health_interval,

@@ -30,3 +30,22 @@ def test_children_get_the_users_flags_but_not_the_launchers():
     flags = child_flags(sub_parser(parser, "serve"), args)
     assert flags == ["--skip-tokenizer-init", "--dtype", "float32", "--max-num-seqs", "8",
                      "--no-enable-prefix-caching"]
+
+
+def test_every_serve_flag_is_spelled_after_its_dest_and_survives_the_round_trip():
+    """child_flags spells a flag ``--`` + its dest; a flag added with another dest would be lost."""
+    import re
+
+    parser = _build_parser()
+    serve = sub_parser(parser, "serve")
+    usage = serve.format_help()
+    for dest in vars(serve.parse_args([])):
+        if dest != "model_pos":  # MODEL, the one positional
+            flag = "--" + dest.replace("_", "-")
+            assert re.search(re.escape(flag) + r"(?![\w-])", usage), f"serve's {dest} is not spelled {flag}"
+    given = ["serve", "/m", "--served-model-name", "a", "b", "--access-log", "--enable-prefix-caching",
+             "--no-enable-chunked-prefill", "--max-request-body-size", "8MiB", "--chat-template-timeout", "3",
+             "--allowed-origins", '["x"]', "--trust-request-chat-template", "--seed", "5"]
+    args = parser.parse_args(given)
+    again = parser.parse_args(["serve", "/m", *child_flags(serve, args)])
+    assert vars(again) == vars(args)
