@@ -6,13 +6,14 @@ import json
 import re
 from typing import Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, call_from_object, partial_prefix_at
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ParsedToolCall, ToolParser, call_from_object, partial_prefix_at)
 
 _START, _END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
-class HermesToolParser:
+class HermesToolParser(ToolParser):
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
         if _START not in text:
             return text, []

@@ -12,7 +12,8 @@ import json
 import re
 from typing import Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, call_from_object, partial_prefix_at
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ParsedToolCall, ToolParser, call_from_object, partial_prefix_at)
 
 
 def calls_from_array(body: str) -> Optional[list[ParsedToolCall]]:
@@ -33,7 +34,7 @@ def _hold(text: str, markers: tuple[str, ...]) -> int:
     return min(partial_prefix_at(text, m) for m in markers)
 
 
-class MistralToolParser:
+class MistralToolParser(ToolParser):
     MARKER = "[TOOL_CALLS]"
     KEEPS_SPECIAL_TOKENS = True
     _ARGS = "[ARGS]"
@@ -69,7 +70,7 @@ class MistralToolParser:
         return _hold(text, (self.MARKER,))
 
 
-class GraniteToolParser:
+class GraniteToolParser(ToolParser):
     MARKERS = ("<|tool_call|>", "<tool_call>")
 
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
@@ -94,7 +95,7 @@ class GraniteToolParser:
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)\s*(?:```|$)", re.DOTALL)
 
 
-class XLAMToolParser:
+class XLAMToolParser(ToolParser):
     MARKERS = ("```", "[TOOL_CALLS]", "<tool_call>")
 
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
@@ -124,7 +125,7 @@ class XLAMToolParser:
         return _hold(text, self.MARKERS)
 
 
-class JambaToolParser:
+class JambaToolParser(ToolParser):
     """AI21 Jamba 1.5: ``<tool_calls>[{"name": ..., "arguments": {...}}, ...]</tool_calls>``."""
 
     BEGIN, END = "<tool_calls>", "</tool_calls>"
@@ -144,7 +145,7 @@ class JambaToolParser:
         return _hold(text, (self.BEGIN,))
 
 
-class InternLMToolParser:
+class InternLMToolParser(ToolParser):
     """InternLM2 / 2.5 chat: ``<|action_start|><|plugin|>\n{"name": ..., "parameters": {...}}<|action_end|>``,
     one block per call."""
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, call_from_object, partial_prefix_at
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ParsedToolCall, ToolParser, call_from_object, partial_prefix_at)
 
 _TAG = "<|python_tag|>"
 
 
-class Llama3JsonToolParser:
+class Llama3JsonToolParser(ToolParser):
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
         body = text.strip()
         if body.startswith(_TAG):

@@ -8,7 +8,7 @@ import ast
 import json
 from typing import Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, partial_prefix_at
+from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, ToolParser, partial_prefix_at
 
 
 def _call(node) -> Optional[ParsedToolCall]:
@@ -44,7 +44,7 @@ def pythonic_calls(body: str) -> Optional[list[ParsedToolCall]]:
     return calls if calls and all(c is not None for c in calls) else None
 
 
-class PythonicToolParser:
+class PythonicToolParser(ToolParser):
     START: Optional[str] = None
     END: Optional[str] = None
 

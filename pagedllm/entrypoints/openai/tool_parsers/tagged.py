@@ -6,13 +6,14 @@ import json
 import re
 from typing import Any, Optional
 
-from pagedllm.entrypoints.openai.tool_parsers.base import ParsedToolCall, call_from_object, partial_prefix_at
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ParsedToolCall, ToolParser, call_from_object, partial_prefix_at)
 
 _QWEN_CALL = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*(?:</tool_call>|$)", re.DOTALL)
 _QWEN_PARAM = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
-class Qwen3CoderToolParser:
+class Qwen3CoderToolParser(ToolParser):
     """``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>...</function>\\n</tool_call>``:
     each value is text, typed by the tool's JSON schema where the request gave one (numbers,
     booleans, objects and arrays parsed as JSON; strings kept as written), else parsed as JSON
@@ -63,7 +64,7 @@ _DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)\
                       re.DOTALL)
 
 
-class DeepSeekV3ToolParser:
+class DeepSeekV3ToolParser(ToolParser):
     """``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>``."""
 
     def extract(self, text: str) -> tuple[Optional[str], list[ParsedToolCall]]:
