@@ -208,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     _configure_logging(args)
     try:
-        if args.command in ("generate", "serve") and runs_on_cpu(getattr(args, "device", None)):
+        if args.command in ("generate", "serve") and runs_on_cpu(args.device):
             from pagedllm.worker.cpu_threads import apply_omp_environment
 
             apply_omp_environment()  # before torch loads: libgomp reads it once (ranks and replicas inherit it)

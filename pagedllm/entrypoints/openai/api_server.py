@@ -99,9 +99,8 @@ def make_server(app, args: ServerArgs):
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            loop = getattr(state, "loop", None)
-            if loop is not None:
-                state.begin_drain(loop, args.shutdown_timeout)
+            if state.loop is not None:
+                state.begin_drain(state.loop, args.shutdown_timeout)
             super().handle_exit(sig, frame)
 
     return _Server(uvicorn_config(app, args))

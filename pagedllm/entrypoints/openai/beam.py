@@ -25,10 +25,11 @@ _SAMPLING_ONLY = {  # field: its value when unset
 
 
 def check_best_of(req, error: Callable[[str, str], Exception]) -> None:
-    best_of = getattr(req, "best_of", None)
+    """A completion request's best_of against its n, use_beam_search and stream."""
+    best_of = req.best_of
     if best_of is None:
         return
-    if getattr(req, "use_beam_search", False):
+    if req.use_beam_search:
         if best_of != req.n:
             raise error("with use_beam_search, n is the beam width: best_of must be unset or equal n", "best_of")
         return
@@ -39,27 +40,27 @@ def check_best_of(req, error: Callable[[str, str], Exception]) -> None:
                     "best_of")
 
 
-_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
 def _has_constraint(req) -> bool:
-    rf = getattr(req, "response_format", None)
-    return (rf is not None and rf.type != "text") or any(getattr(req, f, None) is not None for f in _CONSTRAINTS)
+    rf = req.response_format
+    return (rf is not None and rf.type != "text") or any(
+        v is not None for v in (req.structured_outputs, req.guided_json, req.guided_regex, req.guided_choice,
+                                req.guided_grammar))
 
 
 def beam_search_params(req, max_tokens: Optional[int], logprobs: Optional[int], prompt_len: int, max_model_len: int,
-                       error: Callable[[str, str], Exception]) -> BeamSearchParams:
+                       error: Callable[[str, str], Exception], tool_choice=None) -> BeamSearchParams:
+    """``req`` (a completion or chat request) as beam search; ``tool_choice``: a chat request's."""
     if req.stream:
         raise error("use_beam_search cannot be streamed (beams reorder until the search ends): set stream to false",
                     "stream")
     if req.temperature not in (None, 0, 0.0):
         raise error("use_beam_search is deterministic: temperature must be 0 or unset", "temperature")
     for name, unset in _SAMPLING_ONLY.items():
-        if getattr(req, name, None) not in unset:
+        if getattr(req, name) not in unset:
             raise error(f"{name} does not apply to beam search (use_beam_search)", name)
     if _has_constraint(req):
         raise error("structured outputs do not apply to beam search (use_beam_search)", "use_beam_search")
-    if getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+    if tool_choice not in (None, "none", "auto"):
         raise error("a forced tool_choice does not apply to beam search (use_beam_search)", "tool_choice")
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len

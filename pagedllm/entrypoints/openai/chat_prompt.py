@@ -35,7 +35,7 @@ async def render_chat(serving, req: ChatCompletionRequest, tools: Optional[list]
                        code="context_length_exceeded")
     kwargs = _template_options(req)
     options = serving.options
-    template = getattr(req, "chat_template", None)
+    template = req.chat_template
     if template is None:
         return await _render("messages", apply_chat_template, serving.tokenizer, messages, req.add_generation_prompt,
                              options.chat_template, tools=tools, **kwargs)
@@ -60,19 +60,19 @@ async def _render(param: str, render, /, *args, **kwargs) -> list[int]:
         raise APIError(400, f"could not apply the chat template: {e}", param=param) from None
 
 
-def _template_options(req) -> dict[str, Any]:
+def _template_options(req: ChatCompletionRequest) -> dict[str, Any]:
     """The template's keyword arguments: chat_template_kwargs and vLLM's chat extensions."""
-    kwargs = template_kwargs(getattr(req, "chat_template_kwargs", None))
-    if getattr(req, "continue_final_message", False):
+    kwargs = template_kwargs(req.chat_template_kwargs)
+    if req.continue_final_message:
         if req.add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true (set "
                               "add_generation_prompt false to continue the final message)", "continue_final_message")
         if req.messages[-1].role != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", "continue_final_message")
         kwargs["continue_final_message"] = True
-    if getattr(req, "add_special_tokens", False):
+    if req.add_special_tokens:
         kwargs["add_special_tokens"] = True
-    if getattr(req, "documents", None) is not None:
+    if req.documents is not None:
         kwargs["documents"] = req.documents
     return kwargs
 

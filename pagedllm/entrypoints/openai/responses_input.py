@@ -108,7 +108,7 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
                               "itself comes as a reasoning item with --reasoning-parser)", field)
         if req.reasoning.effort is not None:  # vLLM's rule: a chat template variable
             body["chat_template_kwargs"] = {"reasoning_effort": req.reasoning.effort}
-    body.update((name, getattr(req, name)) for name in _SAMPLING if getattr(req, name) is not None)
+    body.update(req.model_dump(include=set(_SAMPLING), exclude_none=True))
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in req.tools]

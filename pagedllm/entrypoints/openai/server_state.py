@@ -60,6 +60,7 @@ class ServerState:
         self.metrics = PrometheusMetrics(name, prefix=self.args.metrics_prefix)
         self.max_body_size = self.args.max_request_body_size or _BASE_BODY_BYTES  # until the engine is ready
         self.draining = False
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the app's event loop, once its lifespan starts
         self.template_sandbox = None
         self.serving: Optional[OpenAIServing] = None
         self.pooling = None  # a PoolingServing when the model runs the pooling runner (no generation then)

@@ -56,7 +56,7 @@ class ServingBase:
         self.input_processor = engine.input_processor
         self.vocab_size = self.input_processor.vocab_size
         self.max_model_len = engine.max_model_len
-        self.default_sampling_params: dict[str, Any] = dict(getattr(engine, "default_sampling_params", None) or {})
+        self.default_sampling_params: dict[str, Any] = dict(engine.default_sampling_params)
         self.served_model_names = list(served_model_names)
         self._accepted = set(served_model_names) | {model_path, model_path.rstrip("/").rsplit("/", 1)[-1]}
         self.loras = engine.lora_registry  # LoRA adapters by name (None without enable_lora)
@@ -92,19 +92,21 @@ class ServingBase:
 
     # ---- SamplingParams ------------------------------------------------------------------------
     def sampling_params(self, req, prompt_len: int, max_tokens: Optional[int], logprobs: Optional[int],
-                        prompt_logprobs: Optional[int] = None,
-                        aliases: Optional[dict[str, str]] = None) -> SamplingParams:
+                        prompt_logprobs: Optional[int] = None, aliases: Optional[dict[str, str]] = None,
+                        best_of: Optional[int] = None, tool_choice=None) -> SamplingParams:
         """The request's SamplingParams (``aliases``: the request's names for SamplingParams
-        fields, e.g. max_completion_tokens, so an error names the field the client sent)."""
+        fields, e.g. max_completion_tokens, so an error names the field the client sent).
+        ``best_of`` (completions) and ``tool_choice`` (chat): the fields only one API has."""
         aliases = aliases or {}
         if req.use_beam_search:  # one beam group, n = beam width (entrypoints/openai/beam.py)
             return beam_search_params(req, max_tokens, logprobs, prompt_len, self.max_model_len,
-                                      lambda msg, field: APIError(400, msg, param=aliases.get(field, field)))
+                                      lambda msg, field: APIError(400, msg, param=aliases.get(field, field)),
+                                      tool_choice)
         self._check_logprob_limits({"logprobs": logprobs, "prompt_logprobs": prompt_logprobs}, aliases)
-        kwargs = self._sampling_kwargs(req, prompt_len, max_tokens)
+        kwargs = self._sampling_kwargs(req, prompt_len, max_tokens, best_of)
         kwargs.update(logit_bias=req.logit_bias or None, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                       structured_outputs=request_constraint(req, bad_request)[0])
-        if req.priority and getattr(self.engine.config, "scheduling_policy", "fcfs") != "priority":
+        if req.priority and self.engine.config.scheduling_policy != "priority":
             raise bad_request(f"priority {req.priority} needs the server started with --scheduling-policy priority "
                               "(as vLLM, a non-zero priority is refused under fcfs)", "priority")
         try:  # its own ranges (seed, logit_bias keys and values, token ids >= 0, ...): a 400 naming the field
@@ -129,7 +131,8 @@ class ServingBase:
                 raise bad_request(f"{field} must be at most {self.options.max_logprobs} (the server's "
                                   f"--max-logprobs), got {value}", field)
 
-    def _sampling_kwargs(self, req, prompt_len: int, max_tokens: Optional[int]) -> dict[str, Any]:
+    def _sampling_kwargs(self, req, prompt_len: int, max_tokens: Optional[int],
+                         best_of: Optional[int]) -> dict[str, Any]:
         """SamplingParams' fields from the request; a field the request leaves unset takes the
         model's generation_config.json default, if any."""
         defaults = self.default_sampling_params
@@ -147,7 +150,7 @@ class ServingBase:
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=pick("repetition_penalty", 1.0),
-            skip_special_tokens=req.skip_special_tokens, best_of=getattr(req, "best_of", None),
+            skip_special_tokens=req.skip_special_tokens, best_of=best_of,
             bad_words=req.bad_words, allowed_token_ids=req.allowed_token_ids,
             spaces_between_special_tokens=req.spaces_between_special_tokens, extra_args=req.vllm_xargs,
         )
@@ -187,14 +190,14 @@ class ServingBase:
             raise APIError(429, str(e), param=field, code="compile_queue_full", headers={"Retry-After": "1"}) from None
 
     # ---- prompts, logprobs -----------------------------------------------------------------------
-    async def process(self, prompt, param: str, req=None) -> ProcessedPrompt:
-        """Validate and tokenise a prompt on a worker thread (never on the event loop); ``req``'s
-        truncate_prompt_tokens keeps the prompt's last N tokens, its add_special_tokens false
-        tokenises a text prompt without BOS."""
-        truncate = getattr(req, "truncate_prompt_tokens", None)
+    async def process(self, prompt, param: str, truncate: Optional[int] = None,
+                      add_special_tokens: bool = True) -> ProcessedPrompt:
+        """Validate and tokenise a prompt on a worker thread (never on the event loop); the
+        request's ``truncate`` (truncate_prompt_tokens) keeps the prompt's last N tokens, its
+        ``add_special_tokens`` false (completions) tokenises a text prompt without BOS."""
         if truncate is not None and not (truncate >= 1 or truncate == -1):
             raise bad_request(f"truncate_prompt_tokens must be >= 1 or -1, got {truncate}", "truncate_prompt_tokens")
-        if isinstance(prompt, str) and req is not None and not getattr(req, "add_special_tokens", True):
+        if isinstance(prompt, str) and not add_special_tokens:
             self.require_tokenizer("text prompts need a tokenizer", param)
             self.check_text_length(prompt, param)
             ids = await asyncio.to_thread(self.tokenizer.encode, prompt, add_special_tokens=False)
@@ -221,8 +224,7 @@ class ServingBase:
         limit = self.engine.config.max_logprob_entries
         total, fields = 0, set()
         for prompt_len, params in items:
-            n = getattr(params, "n", 1)
-            logprobs = getattr(params, "logprobs", None)
+            n, logprobs = params.n, params.logprobs  # SamplingParams or BeamSearchParams (n: the beam width)
             if logprobs is not None:
                 max_tokens = params.max_tokens or max(self.max_model_len - prompt_len, 0)
                 total += n * max_tokens * (logprobs + 1)

@@ -56,7 +56,7 @@ class ServingChat:
         prompt: dict[str, Any] = {"prompt_token_ids": await render_chat(serving, req, plan.tools, images)}
         if images:
             prompt["multi_modal_data"] = {"image": images}
-        processed = await serving.process(prompt, "messages", req)
+        processed = await serving.process(prompt, "messages", req.truncate_prompt_tokens)
         ids = processed.token_ids
         params = self._params(req, len(ids), plan)
         await serving.check_constraint(req, params, "tools" if plan.constraint is not None else None)
@@ -86,10 +86,10 @@ class ServingChat:
         aliases = {"logprobs": "top_logprobs",
                    "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
         params = serving.sampling_params(req, prompt_len, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                         req.prompt_logprobs, aliases=aliases)
+                                         req.prompt_logprobs, aliases=aliases, tool_choice=req.tool_choice)
         serving.check_logprob_volume([(prompt_len, params)], None, req.prompt_logprobs)
-        if getattr(plan.parser, "KEEPS_SPECIAL_TOKENS", False):  # its markers are special tokens (vLLM's parsers
-            params.skip_special_tokens = False                   # turn skip_special_tokens off for them too)
+        if plan.parser is not None and plan.parser.KEEPS_SPECIAL_TOKENS:  # its markers are special tokens
+            params.skip_special_tokens = False  # (vLLM's parsers turn skip_special_tokens off for them too)
         if plan.constraint is not None:
             if params.structured_outputs is not None:
                 raise bad_request(f"tool_choice {plan.mode!r} constrains the output, and so does "

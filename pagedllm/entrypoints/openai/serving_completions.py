@@ -39,7 +39,8 @@ class ServingCompletions:
         serving = self.serving
         model = serving.check_model(req.model)
         self._check(req)
-        prompts = [await serving.process(p, "prompt", req) for p in prompt_list(req.prompt)]
+        prompts = [await serving.process(p, "prompt", req.truncate_prompt_tokens, req.add_special_tokens)
+                   for p in prompt_list(req.prompt)]
         rid = f"cmpl-{req.request_id or uuid.uuid4().hex}"
         # The engine computes the prompt's top-N once: N the larger of prompt_logprobs and echo's logprobs.
         asked = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
@@ -50,7 +51,7 @@ class ServingCompletions:
                 text = serving.tokenizer.decode(ids)
             prompts[i] = (text, ids)
             params = serving.sampling_params(req, len(ids), req.max_tokens or (None if req.max_tokens is None else 1),
-                                             req.logprobs, prompt_n)
+                                             req.logprobs, prompt_n, best_of=req.best_of)
             items.append((serving.engine_prompt(req, ids, text), params, f"{rid}-{i}"))
         serving.check_logprob_volume([(len(ids), p) for (_, p, _), (_, ids) in zip(items, prompts)],
                                      req.logprobs if req.echo else None, req.prompt_logprobs)

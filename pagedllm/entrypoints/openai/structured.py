@@ -16,7 +16,7 @@ def request_constraint(req, error: Callable[[str, str], Exception]) -> tuple[Opt
     """(the constraint, the request field it came from). ``error(message, field)`` builds the
     exception to raise (an HTTP 400 in the server)."""
     found: list[tuple[str, StructuredOutputsParams]] = []
-    rf = getattr(req, "response_format", None)
+    rf = req.response_format
     if rf is not None and rf.type != "text":
         if rf.type == "json_object":
             found.append(("response_format", StructuredOutputsParams(json_object=True)))
@@ -34,10 +34,10 @@ def request_constraint(req, error: Callable[[str, str], Exception]) -> tuple[Opt
             found.append(("response_format", _build({"json": js.json_schema}, "response_format.json_schema.schema",
                                                        error)))
     for name, kind in _GUIDED.items():
-        value = getattr(req, name, None)
+        value = getattr(req, name)
         if value is not None:
             found.append((name, _build({kind: value}, name, error)))
-    so = getattr(req, "structured_outputs", None)
+    so = req.structured_outputs
     if so is not None:
         unknown = sorted(set(so) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag"})
         if unknown:
