@@ -140,3 +140,33 @@ def test_large_reply_built_off_the_event_loop(ckpt_dir, monkeypatch):
         assert len(where) == 601 and not any(where)  # every tokenize and the reply's encoding on a worker thread
     finally:
         live.stop()
+
+
+def test_an_idle_pooling_server_gives_its_heap_back(monkeypatch):
+    """trim_loop trims a pooling server (no generating engine) once no request is in flight."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pagedllm.heap
+    from pagedllm.entrypoints.openai.server_state import trim_loop
+
+    trims = []
+    monkeypatch.setattr(pagedllm.heap, "collect_and_trim", lambda: trims.append(1))
+    pooling = SimpleNamespace(num_in_flight=1)
+    state = SimpleNamespace(engine=None, pooling=pooling)
+
+    async def run():
+        task = asyncio.create_task(trim_loop(state, interval=0.01))
+        try:
+            await asyncio.sleep(0.2)
+            assert not trims  # a request in flight: no trim
+            pooling.num_in_flight = 0
+            for _ in range(1000):
+                if trims:
+                    return
+                await asyncio.sleep(0.01)
+            raise AssertionError("an idle pooling server was never trimmed")
+        finally:
+            task.cancel()
+
+    asyncio.run(run())

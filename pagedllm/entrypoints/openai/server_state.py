@@ -255,7 +255,11 @@ async def trim_loop(state: ServerState, interval: float = 10.0) -> None:
 
     while True:
         await asyncio.sleep(interval)
-        if state.engine is not None and state.engine.num_unfinished() == 0:
+        if state.engine is not None:
+            idle = state.engine.num_unfinished() == 0
+        else:  # a pooling server (no generating engine), once loaded
+            idle = state.pooling is not None and state.pooling.num_in_flight == 0
+        if idle:
             await asyncio.to_thread(collect_and_trim)
 
 

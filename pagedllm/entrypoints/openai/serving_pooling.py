@@ -80,6 +80,7 @@ class PoolingServing:
             DEFAULT_MAX_OUTPUT_VALUES, engine.max_model_len * engine.runner.hidden_size)
         # /tokenize: a longer text could never fit max_model_len (as on the generating server)
         self.max_prompt_chars = 2 * engine.max_model_len * max_token_chars(engine.tokenizer)
+        self.num_in_flight = 0  # requests being answered (the server trims the heap only while none is)
 
     def _model(self, requested: Optional[str]) -> str:
         if requested is not None and requested not in self.names:
@@ -87,10 +88,14 @@ class PoolingServing:
                            "model", "model_not_found")
         return self.names[0]
 
-    @staticmethod
-    async def _reply(build, *args) -> Response:
-        """``build(*args)`` (the JSON bytes of a reply) on a worker thread, as the response."""
-        return Response(content=await asyncio.to_thread(build, *args), media_type="application/json")
+    async def _reply(self, build, *args) -> Response:
+        """``build(*args)`` (the JSON bytes of a reply: tokenizing, forwards, encoding) on a worker
+        thread, as the response; counted in ``num_in_flight`` meanwhile."""
+        self.num_in_flight += 1
+        try:
+            return Response(content=await asyncio.to_thread(build, *args), media_type="application/json")
+        finally:
+            self.num_in_flight -= 1
 
     def _truncation(self, req) -> Optional[int]:
         try:
