@@ -134,6 +134,10 @@ def _add_vllm_serve_flags(srv: argparse.ArgumentParser) -> None:
                    help='{"backend": "xgrammar"} (or "auto"): the one structured-outputs backend here')
 
 
+# serve flags whose value is JSON text (a list, an object): a replica gets them back as JSON
+JSON_VALUED_FLAGS = frozenset({"allowed_origins", "allowed_methods", "allowed_headers", "structured_outputs_config"})
+
+
 def _json_list(text: str) -> list[str]:
     """vLLM's list flags take JSON (``'["*"]'``); a plain word is a one-item list."""
     if text.strip().startswith("["):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -35,6 +36,7 @@ import time
 from typing import Optional
 
 from pagedllm import envs
+from pagedllm.entrypoints.cli_serve_flags import JSON_VALUED_FLAGS
 from pagedllm.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -115,6 +117,8 @@ def child_flags(serve_parser: argparse.ArgumentParser, args: argparse.Namespace)
         flag = "--" + dest.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif dest in JSON_VALUED_FLAGS:  # given as JSON text: passed on as JSON text
+            out += [flag, json.dumps(value)]
         elif isinstance(value, list):
             out += [flag, *map(str, value)]
         else:

@@ -45,7 +45,9 @@ def test_every_serve_flag_is_spelled_after_its_dest_and_survives_the_round_trip(
             assert re.search(re.escape(flag) + r"(?![\w-])", usage), f"serve's {dest} is not spelled {flag}"
     given = ["serve", "/m", "--served-model-name", "a", "b", "--access-log", "--enable-prefix-caching",
              "--no-enable-chunked-prefill", "--max-request-body-size", "8MiB", "--chat-template-timeout", "3",
-             "--allowed-origins", '["x"]', "--trust-request-chat-template", "--seed", "5"]
+             "--allowed-origins", '["x", "y"]', "--allowed-methods", "GET", "--trust-request-chat-template",
+             "--seed", "5", "--structured-outputs-config", '{"backend": "xgrammar"}', "--lora-modules", "a=/p",
+             "b=/q"]
     args = parser.parse_args(given)
     again = parser.parse_args(["serve", "/m", *child_flags(serve, args)])
     assert vars(again) == vars(args)
