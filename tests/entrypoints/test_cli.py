@@ -93,25 +93,30 @@ def _serve(model: str, *extra: str) -> tuple[subprocess.Popen, str]:
         time.sleep(0.05)
 
 
+def _stream_started(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A streamed completion of ``max_tokens`` on a thread, returned once its first chunk is in;
+    its lines land in the dict's "lines" when it ends."""
+    first_chunk, result = threading.Event(), {"lines": []}
+
+    def stream():
+        body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line:
+                    result["lines"].append(line)
+                    first_chunk.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert first_chunk.wait(30)
+    return t, result
+
+
 def test_sigterm_finishes_in_flight_and_exits_0(llama_ckpt):
     proc, url = _serve(llama_ckpt, "--served-model-name", "tiny")
     try:
-        first_chunk, result = threading.Event(), {}
-
-        def stream():
-            body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 60, "temperature": 0, "stream": True,
-                    "ignore_eos": True}
-            lines = []
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first_chunk.set()
-            result["lines"] = lines
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first_chunk.wait(30)
+        t, result = _stream_started(url, 60)
         cores = children(proc.pid, "spawn_main")  # not multiprocessing's resource tracker
         assert len(cores) == 1, "the engine core runs in a process of its own"
         proc.send_signal(signal.SIGTERM)
@@ -136,22 +141,7 @@ def test_a_dead_engine_core_ends_the_server_with_status_1(llama_ckpt):
     stream gets its error event and [DONE], and the server exits 1."""
     proc, url = _serve(llama_ckpt, "--served-model-name", "tiny")
     try:
-        first_chunk, result = threading.Event(), {}
-
-        def stream():
-            body = {"model": "tiny", "prompt": "w1 w2", "max_tokens": 200, "temperature": 0, "stream": True,
-                    "ignore_eos": True}
-            lines = []
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    if line:
-                        lines.append(line)
-                        first_chunk.set()
-            result["lines"] = lines
-
-        t = threading.Thread(target=stream)
-        t.start()
-        assert first_chunk.wait(30)
+        t, result = _stream_started(url, 200)
         cores = children(proc.pid, "spawn_main")
         assert len(cores) == 1
         os.kill(cores[0], signal.SIGKILL)
