@@ -191,3 +191,13 @@ def test_tokenize_and_detokenize_on_a_pooling_server(notypes_server, monkeypatch
     assert chat.json()["tokens"] == tok("w1 w2 w3 ", add_special_tokens=False)["input_ids"]
     wrong = httpx.post(live.url + "/tokenize", json={"model": "nope", "prompt": text}, timeout=60)
     assert wrong.status_code == 404
+
+
+def test_models_report_max_model_len_on_a_pooling_server(embed_server):
+    """/v1/models and /v1/models/{id} carry the pooling engine's max_model_len (as vLLM's ModelCard)."""
+    live, _ = embed_server
+    limit = live.state.pooling.max_model_len
+    assert limit == 128  # the BERT checkpoint's max_position_embeddings
+    cards = httpx.get(live.url + "/v1/models", timeout=60).json()["data"]
+    assert [(c["id"], c["max_model_len"]) for c in cards] == [("emb", limit)]
+    assert httpx.get(live.url + "/v1/models/emb", timeout=60).json()["max_model_len"] == limit

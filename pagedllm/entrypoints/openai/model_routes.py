@@ -18,9 +18,19 @@ from pagedllm.entrypoints.openai.serving import APIError
 router = APIRouter(route_class=OffLoopBodyRoute)
 
 
+def _max_model_len(state: ServerState):
+    """The served model's max_model_len: the generating engine's, or the pooling engine's on a
+    pooling server; None while loading."""
+    if state.serving is not None:
+        return state.engine.max_model_len
+    if state.pooling is not None:
+        return state.pooling.max_model_len
+    return None
+
+
 @router.get("/v1/models/{model_id:path}")
 async def model_card(model_id: str, state: ServerState = Depends(current_server)):
-    max_len = state.engine.max_model_len if state.serving is not None else None
+    max_len = _max_model_len(state)
     cards = [ModelCard(id=n, root=state.model_path, max_model_len=max_len) for n in state.served_model_names]
     for card in cards + lora_modules.lora_model_cards(state.serving, max_len):
         if card.id == model_id:
@@ -30,7 +40,7 @@ async def model_card(model_id: str, state: ServerState = Depends(current_server)
 
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(current_server)):
-    max_len = state.engine.max_model_len if state.serving is not None else None
+    max_len = _max_model_len(state)
     return json_response(ModelList(data=[ModelCard(id=n, root=state.model_path, max_model_len=max_len)
                                          for n in state.served_model_names]
                                    + lora_modules.lora_model_cards(state.serving, max_len)))
