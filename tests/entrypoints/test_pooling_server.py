@@ -162,6 +162,10 @@ def test_cross_encoder_routes_without_token_types_match_hf(notypes_server):
                    timeout=60).json()
     assert [x["index"] for x in r["results"]] == sorted(range(3), key=lambda i: -ref[i])
     assert np.allclose([x["relevance_score"] for x in r["results"]], sorted(ref, reverse=True), atol=1e-5)
+    # vLLM's rerank usage: the tokens of every (query, document) pair, as prompt_tokens and total_tokens
+    pair_tokens = sum(len(tok(query, d)["input_ids"]) for d in docs)
+    assert r["usage"] == {"prompt_tokens": pair_tokens, "total_tokens": pair_tokens}
+    assert s["usage"]["prompt_tokens"] == pair_tokens
 
 
 def test_tokenize_and_detokenize_on_a_pooling_server(notypes_server, monkeypatch):

@@ -105,6 +105,8 @@ class RerankResult(BaseModel):
 
 
 class RerankUsage(BaseModel):
+    """vLLM's rerank usage: the tokens of every (query, document) pair run, in both fields."""
+    prompt_tokens: int
     total_tokens: int
 
 

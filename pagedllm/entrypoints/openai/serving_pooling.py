@@ -219,8 +219,8 @@ class PoolingServing:
             results = [RerankResult(index=i, relevance_score=scores[i],
                                     document=RerankDocument(text=req.documents[i]) if req.return_documents else None)
                        for i in order]
-            return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=model,
-                                  usage=RerankUsage(total_tokens=tokens), results=results).model_dump_json()
+            return RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=model, results=results,
+                                  usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens)).model_dump_json()
 
         return await self._reply(build)
 
