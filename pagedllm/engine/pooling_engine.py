@@ -232,31 +232,35 @@ class PoolingEngine:
         return classifier_scores(logits).cpu()
 
     def score(self, text_1: list[Prompt], text_2: list[Prompt], truncate: Optional[int] = None,
-              max_tokens: Optional[int] = None, field: str = "text_2") -> tuple[list[float], int]:
+              max_tokens: Optional[int] = None, field: str = "text_2",
+              names: tuple[str, str] = ("text_1", "text_2")) -> tuple[list[float], int]:
         """Scores of the pairs (one text_1 against many text_2, or pairwise), and the tokens used;
+        ``names``: the two sides' request fields, as the errors name them (/score's text_1 /
+        text_2, or vLLM's queries / documents);
         ``truncate``: a checked truncation() for each pair (cross-encoder) or each text;
         ``max_tokens``: the most tokens all of them may hold (more: RequestLimitError naming
         ``field`` and max_pooling_tokens), checked before any forward."""
+        n1, n2 = names
         if len(text_1) == 1 and len(text_2) > 1:
             text_1 = list(text_1) * len(text_2)
         if len(text_1) != len(text_2):
-            raise ValueError(f"text_1 and text_2 must have the same length (or text_1 one item), got "
+            raise ValueError(f"{n1} and {n2} must have the same length (or {n1} one item), got "
                              f"{len(text_1)} and {len(text_2)}")
         if not text_2:
-            raise ValueError("text_2 must not be empty")
+            raise ValueError(f"{n2} must not be empty")
         if self.is_cross_encoder:
             if self.runner.num_labels != 1:
                 raise ValueError(f"score needs a cross-encoder with one label; this classifier has {self.runner.num_labels}"
                                  " (use classify)")
             if not all(isinstance(t, str) for t in list(text_1) + list(text_2)):
-                raise ValueError("text_1 / text_2: a cross-encoder scores texts (strings)")
+                raise ValueError(f"{n1} / {n2}: a cross-encoder scores texts (strings)")
             pairs = [self.tokenize_pair(a, b, truncate) for a, b in zip(text_1, text_2)]
             tokens = sum(len(p[0]) for p in pairs)
             check_token_budget(tokens, max_tokens, field)
             scores = self.classify([p[0] for p in pairs], [p[1] for p in pairs])
             return [float(s) for s in scores], tokens
-        seqs_1 = [self.tokenize(t, "text_1", truncate) for t in text_1]
-        seqs_2 = [self.tokenize(t, "text_2", truncate) for t in text_2]
+        seqs_1 = [self.tokenize(t, n1, truncate) for t in text_1]
+        seqs_2 = [self.tokenize(t, n2, truncate) for t in text_2]
         check_token_budget(sum(map(len, seqs_1 + seqs_2)), max_tokens, field)
         vecs = self.embed(seqs_1 + seqs_2)
         a, b = torch.stack(vecs[: len(seqs_1)]), torch.stack(vecs[len(seqs_1):])

@@ -70,6 +70,8 @@ def test_too_many_inputs(bounded):
     assert e["param"] == "documents" and "max_pooling_inputs" in e["message"]
     e = _refused(bounded, "/score", {"text_1": "w1", "text_2": ["w2"] * 6})
     assert e["param"] == "text_2" and "max_pooling_inputs" in e["message"]
+    e = _refused(bounded, "/score", {"queries": "w1", "documents": ["w2"] * 6})  # vLLM 0.32's spelling
+    assert e["param"] == "documents" and "max_pooling_inputs" in e["message"]
     assert len(_ok(bounded, "/v1/embeddings", {"input": [[5, 6]] * 4})["data"]) == 4
 
 
@@ -83,6 +85,8 @@ def test_too_many_tokens(bounded):
     assert e["param"] == "documents" and "max_pooling_tokens" in e["message"]
     e = _refused(bounded, "/score", {"text_1": ["w1", "w2"], "text_2": [long, long]})
     assert e["param"] == "text_2" and "max_pooling_tokens" in e["message"]
+    e = _refused(bounded, "/score", {"queries": ["w1", "w2"], "documents": [long, long]})
+    assert e["param"] == "documents" and "max_pooling_tokens" in e["message"]
 
 
 def test_reply_too_large(bounded):

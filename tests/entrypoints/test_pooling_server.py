@@ -205,3 +205,53 @@ def test_models_report_max_model_len_on_a_pooling_server(embed_server):
     cards = httpx.get(live.url + "/v1/models", timeout=60).json()["data"]
     assert [(c["id"], c["max_model_len"]) for c in cards] == [("emb", limit)]
     assert httpx.get(live.url + "/v1/models/emb", timeout=60).json()["max_model_len"] == limit
+
+
+def test_score_queries_and_documents(embed_server, notypes_server):
+    """/score with vLLM 0.32's queries / documents: the same reply as text_1 / text_2 (one query
+    against several documents, or pairwise lists), on an embedding model and a cross-encoder
+    (HF's scores of the pairs); both spellings, neither, or half of one are 400s naming the field."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    def scores(live, body):
+        r = httpx.post(live.url + "/score", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    live, offline = embed_server
+    one = scores(live, {"queries": "w5 w9", "documents": TEXTS})
+    assert one["id"].startswith("score-") and one["model"] == "emb" and one["object"] == "list"
+    old = scores(live, {"text_1": "w5 w9", "text_2": TEXTS})
+    assert [d["index"] for d in one["data"]] == [0, 1, 2] and one["usage"] == old["usage"]
+    assert np.allclose([d["score"] for d in one["data"]], [d["score"] for d in old["data"]], atol=1e-6)
+    assert np.allclose([d["score"] for d in one["data"]], [o.outputs.score for o in offline.score("w5 w9", TEXTS)],
+                       atol=1e-6)
+    pairwise = scores(live, {"queries": TEXTS[:2], "documents": TEXTS[1:]})
+    assert np.allclose([d["score"] for d in pairwise["data"]],
+                       [offline.score(a, b)[0].outputs.score for a, b in zip(TEXTS[:2], TEXTS[1:])], atol=1e-6)
+
+    live, _ = notypes_server
+    path = live.state.config.model
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    query, docs = "w30 w2", ["w2 w3", "w30 w31 w32"]
+    with torch.no_grad():
+        ref = [torch.sigmoid(hf(**tok(query, d, return_tensors="pt")).logits[0, 0]).item() for d in docs]
+    ce = scores(live, {"model": "ce", "queries": query, "documents": docs})
+    assert np.allclose([d["score"] for d in ce["data"]], ref, atol=1e-5)
+    assert ce["usage"]["prompt_tokens"] == sum(len(tok(query, d)["input_ids"]) for d in docs)
+
+    for body, param in [({"text_1": "w1", "text_2": "w2", "queries": "w1"}, "queries"),
+                        ({"text_1": "w1", "documents": ["w2"]}, "documents"),
+                        ({}, "text_1"), ({"text_1": "w1"}, "text_2"),
+                        ({"queries": "w1"}, "documents"), ({"documents": ["w1"]}, "queries"),
+                        ({"queries": [], "documents": ["w1"]}, "queries")]:
+        r = httpx.post(live.url + "/score", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        assert param in r.json()["error"]["message"]
+    mismatched = httpx.post(live.url + "/score", json={"queries": ["w1", "w2"], "documents": ["w1", "w2", "w3"]},
+                            timeout=60)
+    assert mismatched.status_code == 400 and "queries and documents" in mismatched.json()["error"]["message"]
+    extra = httpx.post(live.url + "/score", json={"queries": "w1", "documents": "w2", "query": "w1"}, timeout=60)
+    assert extra.status_code == 400 and "query" in extra.json()["error"]["message"]

@@ -32,8 +32,12 @@ class PoolingRequest(RequestModel):
 
 
 class ScoreRequest(RequestModel):
-    text_1: Union[str, list[str]]
-    text_2: Union[str, list[str]]
+    """vLLM's /score: one query against several documents, or pairwise lists, as text_1 / text_2
+    or (vLLM 0.32's spelling) queries / documents -- one spelling, both of its fields."""
+    text_1: Optional[Union[str, list[str]]] = None
+    text_2: Optional[Union[str, list[str]]] = None
+    queries: Optional[Union[str, list[str]]] = None
+    documents: Optional[Union[str, list[str]]] = None
     model: Optional[str] = None
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = None

@@ -187,20 +187,40 @@ class PoolingServing:
     async def create_score(self, req: ScoreRequest) -> Response:
         model = self._model(req.model)
         self._check_task("score", "/score")
-        a = [req.text_1] if isinstance(req.text_1, str) else req.text_1
-        b = [req.text_2] if isinstance(req.text_2, str) else req.text_2
-        if not a or not b:
-            raise APIError(400, "text_1 and text_2 must not be empty", "text_1", "invalid_value")
-        self._check_count(max(len(a), len(b)), "text_1" if len(a) > len(b) else "text_2")
+        (n1, first), (n2, second) = self._score_sides(req)
+        a = [first] if isinstance(first, str) else first
+        b = [second] if isinstance(second, str) else second
+        for name, side in ((n1, a), (n2, b)):
+            if not side:
+                raise APIError(400, f"{name} must not be empty", name, "invalid_value")
+        self._check_count(max(len(a), len(b)), n1 if len(a) > len(b) else n2)
         truncate = self._truncation(req)
 
         def build() -> str:
-            scores, tokens = _run(self.engine.score, a, b, truncate, self.max_tokens, "text_2")
+            scores, tokens = _run(self.engine.score, a, b, truncate, self.max_tokens, n2, (n1, n2))
             return ScoreResponse(id=f"score-{uuid.uuid4().hex}", created=int(time.time()), model=model,
                                  data=[ScoreData(index=i, score=s) for i, s in enumerate(scores)],
                                  usage=_usage(tokens)).model_dump_json()
 
         return await self._reply(build)
+
+    @staticmethod
+    def _score_sides(req: ScoreRequest) -> tuple[tuple[str, object], tuple[str, object]]:
+        """The two sides of a /score request, each with its field name: text_1 / text_2, or
+        queries / documents (vLLM 0.32's spelling); a 400 naming the field when both spellings
+        are passed or a side is missing."""
+        old, new = (req.text_1, req.text_2), (req.queries, req.documents)
+        uses_new = any(v is not None for v in new)
+        if uses_new and any(v is not None for v in old):
+            field = "queries" if req.queries is not None else "documents"
+            raise APIError(400, f"{field}: pass text_1 / text_2 or queries / documents, not both spellings", field,
+                           "invalid_value")
+        names, other, sides = (("queries", "documents"), "text_1 / text_2", new) if uses_new else \
+            (("text_1", "text_2"), "queries / documents", old)
+        for name, value in zip(names, sides):
+            if value is None:
+                raise APIError(400, f"{name} is required (or pass {other} instead)", name, "invalid_value")
+        return (names[0], sides[0]), (names[1], sides[1])
 
     async def create_rerank(self, req: RerankRequest) -> Response:
         model = self._model(req.model)
