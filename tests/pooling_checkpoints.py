@@ -42,8 +42,9 @@ def _widen(model) -> None:
 def make_pooling_checkpoint(path: str, kind: str, seed: int = 0) -> str:
     """kind: bert_mean (BertModel + sentence-transformers mean pooling, normalised, Matryoshka),
     xlmr_cls (XLMRobertaModel, CLS), bert_rerank / xlmr_rerank (sequence classifiers, one label),
-    bert_rerank_notypes (bert_rerank whose tokenizer returns no token_type_ids), qwen3_embed (a
-    Qwen3ForCausalLM checkpoint, last-token pooling)."""
+    bert_rerank_notypes (bert_rerank whose tokenizer returns no token_type_ids), bert_classify (a
+    BERT sequence classifier with three named labels), qwen3_embed (a Qwen3ForCausalLM checkpoint,
+    last-token pooling)."""
     import transformers as tf
 
     if os.path.exists(os.path.join(path, "config.json")):
@@ -57,12 +58,15 @@ def make_pooling_checkpoint(path: str, kind: str, seed: int = 0) -> str:
                   initializer_range=0.1)
     if kind.startswith("bert"):
         cfg = tf.BertConfig(max_position_embeddings=128, pad_token_id=0, **common)
-        cls = tf.BertForSequenceClassification if "rerank" in kind else tf.BertModel
+        cls = tf.BertForSequenceClassification if "rerank" in kind or kind == "bert_classify" else tf.BertModel
     else:
         cfg = tf.XLMRobertaConfig(max_position_embeddings=130, pad_token_id=1, type_vocab_size=1, **common)
         cls = tf.XLMRobertaForSequenceClassification if kind.endswith("rerank") else tf.XLMRobertaModel
     if "rerank" in kind:
         cfg.num_labels = 1
+    if kind == "bert_classify":
+        cfg.num_labels = 3
+        cfg.id2label, cfg.label2id = {0: "neg", 1: "neu", 2: "pos"}, {"neg": 0, "neu": 1, "pos": 2}
     if kind == "bert_mean":
         cfg.is_matryoshka = True
     model = cls(cfg).float().eval()

@@ -133,6 +133,13 @@ class PoolingEngine:
         self.batcher = ForwardBatcher(self._run_batches)
 
     @property
+    def labels(self) -> list[str]:
+        """A classifier's label names, in order: its config's id2label (keys as ints or the JSON's
+        strings), ``LABEL_i`` where it names none (transformers' default)."""
+        id2label = {int(k): str(v) for k, v in (hf_field(self.hf_config, "id2label") or {}).items()}
+        return [id2label.get(i, f"LABEL_{i}") for i in range(max(self.runner.num_labels, 1))]
+
+    @property
     def supported_tasks(self) -> tuple[str, ...]:
         return ("classify", "score") if self.is_cross_encoder else ("embed", "token_embed", "score")
 

@@ -100,6 +100,30 @@ def test_reply_too_large(bounded):
     assert len(_ok(bounded, "/pooling", {"input": inputs, "task": "embed"})["data"]) == 2
 
 
+def test_classify_bounds_and_off_the_event_loop(ckpt_dir, monkeypatch):
+    """/classify under the same per-request bounds (max_pooling_inputs, max_pooling_tokens), its
+    tokenizing and reply on a worker thread."""
+    from pagedllm.entrypoints.openai import serving_pooling
+
+    live = _serve(make_pooling_checkpoint(str(ckpt_dir / "pool_bert_classify"), "bert_classify"), **LIMITS)
+    try:
+        e = _refused(live, "/classify", {"input": ["w1"] * 5})
+        assert e["param"] == "input" and "max_pooling_inputs" in e["message"]
+        text = " ".join(["w7"] * 13)  # 15 tokens
+        e = _refused(live, "/v1/classify", {"input": [text] * 3})
+        assert e["param"] == "input" and "max_pooling_tokens" in e["message"]
+        engine, where = live.state.pooling.engine, []
+        real_tokenize, real_reply = engine.tokenize, serving_pooling.PoolingServing._classify_reply
+        monkeypatch.setattr(engine, "tokenize", lambda *a: where.append(_on_event_loop()) or real_tokenize(*a))
+        monkeypatch.setattr(serving_pooling.PoolingServing, "_classify_reply",
+                            lambda *a: where.append(_on_event_loop()) or real_reply(*a))
+        body = _ok(live, "/classify", {"input": [text] * 2})
+        assert len(body["data"]) == 2 and body["usage"]["prompt_tokens"] == 30
+        assert len(where) == 3 and not any(where)
+    finally:
+        live.stop()
+
+
 def _on_event_loop() -> bool:
     try:
         asyncio.get_running_loop()

@@ -255,3 +255,70 @@ def test_score_queries_and_documents(embed_server, notypes_server):
     assert mismatched.status_code == 400 and "queries and documents" in mismatched.json()["error"]["message"]
     extra = httpx.post(live.url + "/score", json={"queries": "w1", "documents": "w2", "query": "w1"}, timeout=60)
     assert extra.status_code == 400 and "query" in extra.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def classify_server(ckpt_dir):
+    """A three-label BERT sequence classifier (id2label neg / neu / pos)."""
+    yield from _served(ckpt_dir, "bert_classify", "cls")
+
+
+def test_classify_route_matches_hf(classify_server, notypes_server, embed_server):
+    """/classify and /v1/classify in vLLM's shape: each input's softmax over the labels (a
+    one-label head: [sigmoid]), the id2label name of the argmax, num_classes, usage; as HF's
+    classifier computes them. A model that is not a classifier refuses it, naming the task."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    def hf_probs(path: str, texts: list[str]):  # (each text's probabilities, the tokenizer)
+        tok = AutoTokenizer.from_pretrained(path)
+        hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = [hf(**tok(t, return_tensors="pt")).logits[0] for t in texts]
+        return [(torch.sigmoid(x) if x.numel() == 1 else torch.softmax(x, -1)).tolist() for x in logits], tok
+
+    live, offline = classify_server
+    ref, tok = hf_probs(live.state.config.model, TEXTS)
+    names = ["neg", "neu", "pos"]
+    for route in ("/classify", "/v1/classify"):
+        r = httpx.post(live.url + route, json={"model": "cls", "input": TEXTS}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["id"].startswith("classify-") and body["object"] == "list" and body["model"] == "cls"
+        assert isinstance(body["created"], int)
+        tokens = sum(len(tok(t)["input_ids"]) for t in TEXTS)
+        assert body["usage"]["prompt_tokens"] == tokens and body["usage"]["total_tokens"] == tokens
+        assert body["usage"]["completion_tokens"] == 0
+        data = body["data"]
+        assert [d["index"] for d in data] == [0, 1, 2] and all(d["num_classes"] == 3 for d in data)
+        assert np.allclose([d["probs"] for d in data], ref, atol=1e-5)
+        assert [d["label"] for d in data] == [names[int(np.argmax(p))] for p in ref]
+    assert np.allclose([d["probs"] for d in data], [o.outputs.probs for o in offline.classify(TEXTS)], atol=1e-6)
+    # one string; token ids; truncate_prompt_tokens
+    one = httpx.post(live.url + "/classify", json={"input": TEXTS[2]}, timeout=60).json()
+    assert len(one["data"]) == 1 and np.allclose(one["data"][0]["probs"], ref[2], atol=1e-5)
+    ids = tok(TEXTS[0])["input_ids"]
+    by_ids = httpx.post(live.url + "/classify", json={"input": [ids]}, timeout=60).json()
+    assert np.allclose(by_ids["data"][0]["probs"], ref[0], atol=1e-5)
+    short = httpx.post(live.url + "/classify", json={"input": TEXTS[0], "truncate_prompt_tokens": 3}, timeout=60).json()
+    assert short["usage"]["prompt_tokens"] == 3
+    assert np.allclose(short["data"][0]["probs"], hf_probs(live.state.config.model, ["w1"])[0][0], atol=1e-5)
+    for body, param in [({"input": []}, "input"),
+                        ({"input": "w1", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")]:
+        bad = httpx.post(live.url + "/classify", json=body, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    extra = httpx.post(live.url + "/classify", json={"input": "w1", "top_n": 1}, timeout=60)
+    assert extra.status_code == 400 and "top_n" in extra.json()["error"]["message"]
+    wrong = httpx.post(live.url + "/classify", json={"input": "w1", "model": "nope"}, timeout=60)
+    assert wrong.status_code == 404
+
+    live, _ = notypes_server  # one label: [sigmoid], LABEL_0
+    ref, _ = hf_probs(live.state.config.model, TEXTS)
+    data = httpx.post(live.url + "/classify", json={"input": TEXTS}, timeout=60).json()["data"]
+    assert all(d["num_classes"] == 1 and d["label"] == "LABEL_0" for d in data)
+    assert np.allclose([d["probs"] for d in data], ref, atol=1e-5)
+
+    live, _ = embed_server
+    refused = httpx.post(live.url + "/classify", json={"input": "w1"}, timeout=60)
+    assert refused.status_code == 400 and "'classify'" in refused.json()["error"]["message"], refused.text
+    assert refused.json()["error"]["code"] == "unsupported_task"

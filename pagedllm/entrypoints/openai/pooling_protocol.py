@@ -1,5 +1,5 @@
 """Request and response bodies of the pooling routes, in vLLM's shapes: /v1/embeddings (OpenAI),
-/pooling, /score, /rerank and /v1/rerank (Jina / Cohere). Unknown fields are refused (400)."""
+/pooling, /classify, /score, /rerank and /v1/rerank (Jina / Cohere). Unknown fields are refused (400)."""
 from __future__ import annotations
 
 from typing import Literal, Optional, Union
@@ -27,6 +27,14 @@ class PoolingRequest(RequestModel):
     encoding_format: Literal["float", "base64"] = "float"
     task: Optional[Literal["embed", "token_embed", "classify"]] = None
     dimensions: Optional[int] = None
+    user: Optional[str] = None
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: at most N tokens per input (-1: max_model_len)
+
+
+class ClassificationRequest(RequestModel):
+    """vLLM's /classify: a sequence classifier's label probabilities for each input."""
+    input: EmbeddingInput
+    model: Optional[str] = None
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: at most N tokens per input (-1: max_model_len)
 
@@ -80,6 +88,22 @@ class PoolingResponse(BaseModel):
     created: int
     model: str
     data: list[PoolingData]
+    usage: UsageInfo
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: Optional[str]  # the id2label name of the most probable class
+    probs: list[float]  # softmax over the labels; a one-label head: [sigmoid of its logit]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: str = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
     usage: UsageInfo
 
 

@@ -1,4 +1,4 @@
-"""The pooling routes (/v1/embeddings, /pooling, /score, /rerank and /v1/rerank) on the app; they
+"""The pooling routes (/v1/embeddings, /pooling, /classify, /score, /rerank and /v1/rerank) on the app; they
 answer when the server runs a pooling model (``--runner pooling`` or an encoder architecture).
 The handlers (serving_pooling.PoolingServing) return the responses, their JSON built off the
 event loop."""
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from pagedllm.entrypoints.openai.pooling_protocol import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
+from pagedllm.entrypoints.openai.pooling_protocol import (
+    ClassificationRequest, EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest)
 
 
 def add_pooling_routes(app: FastAPI, state) -> None:
@@ -17,6 +18,11 @@ def add_pooling_routes(app: FastAPI, state) -> None:
     @app.post("/pooling")
     async def pooling(req: PoolingRequest):
         return await state.require_pooling().create_pooling(req)
+
+    @app.post("/classify")
+    @app.post("/v1/classify")
+    async def classify(req: ClassificationRequest):
+        return await state.require_pooling().create_classify(req)
 
     @app.post("/score")
     @app.post("/v1/score")

@@ -26,8 +26,9 @@ from pydantic import BaseModel
 
 from pagedllm.engine.pooling_engine import check_token_budget
 from pagedllm.entrypoints.openai.pooling_protocol import (
-    EmbeddingRequest, EmbeddingResponse, PoolingRequest, PoolingResponse, RerankDocument, RerankRequest,
-    RerankResponse, RerankResult, RerankUsage, ScoreData, ScoreRequest, ScoreResponse)
+    ClassificationData, ClassificationRequest, ClassificationResponse, EmbeddingRequest, EmbeddingResponse,
+    PoolingRequest, PoolingResponse, RerankDocument, RerankRequest, RerankResponse, RerankResult, RerankUsage,
+    ScoreData, ScoreRequest, ScoreResponse)
 from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, UsageInfo
 from pagedllm.entrypoints.openai.serving import APIError
 
@@ -182,6 +183,26 @@ class PoolingServing:
         envelope = PoolingResponse(id=f"pool-{uuid.uuid4().hex}", created=int(time.time()), model=model, data=[],
                                    usage=_usage(tokens))
         return _list_reply(envelope, "pooling", "data", out, req.encoding_format)
+
+    # ---- /classify ----------------------------------------------------------------------------
+    async def create_classify(self, req: ClassificationRequest) -> Response:
+        model = self._model(req.model)
+        self._check_task("classify", "/classify")
+        items, truncate = self._items(req.input), self._truncation(req)
+        return await self._reply(self._classify_reply, model, items, truncate)
+
+    def _classify_reply(self, model: str, items: list, truncate: Optional[int]) -> bytes:
+        """vLLM's reply: each input's probabilities (softmax; a one-label head: [sigmoid]), the
+        id2label name of the most probable class and the number of classes."""
+        seqs = self._tokenize(items, truncate)
+        labels = self.engine.labels
+        self._check_output(len(seqs) * len(labels), "the class probabilities of each input")
+        probs = _run(self.engine.classify, seqs).reshape(len(seqs), -1)
+        data = [ClassificationData(index=i, label=labels[int(p.argmax())], probs=p.tolist(), num_classes=len(p))
+                for i, p in enumerate(probs)]
+        tokens = sum(map(len, seqs))
+        return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", created=int(time.time()), model=model,
+                                      data=data, usage=_usage(tokens)).model_dump_json().encode()
 
     # ---- /score, /rerank ----------------------------------------------------------------------
     async def create_score(self, req: ScoreRequest) -> Response:
