@@ -130,7 +130,7 @@ class ServerState:
             self.on_load_error(e)
 
     def _load_pooling(self) -> None:
-        """The pooling engine (its own, no AsyncLLM): /v1/embeddings, /pooling, /score, /rerank."""
+        """The pooling engine (its own, no AsyncLLM): /v1/embeddings, /pooling, /score, /rerank, /classify."""
         from pagedllm.engine.pooling_engine import PoolingEngine
         from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
 
@@ -201,7 +201,7 @@ class ServerState:
             raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
         if self.pooling is not None:
             raise APIError(400, "this server runs a pooling model (--runner pooling): it serves /v1/embeddings, "
-                           "/pooling, /score and /rerank, not generation", code="unsupported_task")
+                           "/pooling, /score, /rerank and /classify, not generation", code="unsupported_task")
         if self.serving is None:
             if self.load_error is not None:
                 raise APIError(503, "the engine failed to start (the server log has the cause)", code="engine_dead")
