@@ -185,8 +185,10 @@ class StructuredOutputManager:
             if not prompt_closes_reasoning(prompt_ids, start_ids, end_ids):
                 gate = ReasoningGate(end_ids)
                 after = gate.feed(replay)
-                replay = after if after is not None else []
-                gate = gate if after is None else None
+                if after is None:  # still reasoning: the matcher starts later
+                    replay = []
+                else:  # the replayed output already closed it: no gate
+                    replay, gate = after, None
         for tok in replay:
             if not m.accept_token(tok):
                 raise ValueError(f"request {req_id}: its output so far does not match its grammar")
