@@ -40,6 +40,17 @@ def child(model: str, batches: list[int]) -> dict:
     return out
 
 
+def run_child(script: str, name: str, path: str, *argv: str) -> dict:
+    """``script --child ARGV...`` with ``path`` first on PYTHONPATH at one OpenMP thread: its RESULT line."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(path), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.abspath(script), "--child", *argv],
+                          capture_output=True, text=True, env=env, timeout=3600)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"{name}: exit {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(child(sys.argv[2], [int(b) for b in sys.argv[3].split(",")])), flush=True)
@@ -58,13 +69,7 @@ def main() -> None:
     best: dict = {}
     for r in range(args.rounds):
         for name, path in trees:
-            env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", model, args.batches],
-                                  capture_output=True, text=True, env=env, timeout=3600)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                raise SystemExit(f"{name}: exit {proc.returncode}: {proc.stderr[-2000:]}")
-            res = json.loads(line[len("RESULT "):])
+            res = run_child(__file__, name, path, model, args.batches)
             print(f"{name} round {r}: " + ", ".join(f"B={b} {v['cpu_ms']:.2f} cpu ms" for b, v in res.items()),
                   flush=True)
             for b, v in res.items():
