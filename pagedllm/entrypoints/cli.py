@@ -146,10 +146,10 @@ def _router(args: argparse.Namespace, argv: Optional[Sequence[str]], parser: arg
 
 def _serve_defaults(args: argparse.Namespace) -> list[str]:
     """The model and the defaults ``serve`` derives from the other flags; returns every
-    --served-model-name (all routable). Two different models: a ValueError."""
-    if args.model and args.model_pos and args.model != args.model_pos:
-        raise ValueError(f"two models given ({args.model_pos} and --model {args.model}): a server serves one model")
-    args.model = args.model or args.model_pos
+    --served-model-name (all routable)."""
+    from pagedllm.entrypoints.multi_model.launcher import model_paths
+
+    args.model = (model_paths(args) or [None])[0]
     served_names = list(args.served_model_name or ())  # --served-model-name a b: all routable
     if not args.model and not args.served_model_name:  # the embedded default model
         args.served_model_name = os.path.basename(default_model_path())
@@ -164,7 +164,11 @@ def _serve(args: argparse.Namespace, argv: Optional[Sequence[str]], parser: argp
     args.stop_requested = _catch_stop_signals()
     from pagedllm.entrypoints.router.data_parallel import watch_parent
 
-    watch_parent()  # a data-parallel replica: SIGTERM when its launcher dies
+    watch_parent()  # a data-parallel replica or a multi-model server's model: SIGTERM when its launcher dies
+    from pagedllm.entrypoints.multi_model.launcher import is_multi_model, run_multi_model
+
+    if is_multi_model(args):
+        return run_multi_model(args, sub_parser(parser, "serve"))
     served_names = _serve_defaults(args)
     config = engine_config_from_args(args)
     if args.data_parallel_size != 1:

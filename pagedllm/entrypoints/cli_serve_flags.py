@@ -10,16 +10,6 @@ from pagedllm.entrypoints.cli_engine_flags import add_engine_args, parse_size
 from pagedllm.entrypoints.http_guard import HTTP_CHOICES, LOOP_CHOICES
 
 
-class GivenOnce(argparse.Action):
-    """A flag that may be given once: a second value is an error, not a silent replacement."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        earlier = getattr(namespace, self.dest, None)
-        if earlier is not None and earlier != values:
-            parser.error(f"{option_string} given twice ({earlier} and {values}): a server serves one model")
-        setattr(namespace, self.dest, values)
-
-
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     """The ``serve`` subcommand's parser on ``sub`` (the ``pagedllm`` parser's subparsers)."""
     srv = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -32,16 +22,40 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     from pagedllm.entrypoints.router.server import add_router_args
 
     add_router_args(srv)
+    _add_multi_model_flags(srv)
     add_engine_args(srv, exclude=("served_model_name",))  # several names: _add_vllm_serve_flags
     return srv
+
+
+def _add_multi_model_flags(srv: argparse.ArgumentParser) -> None:
+    """Several models behind one server (docs/usage.md, *Several models in one server*)."""
+    g = srv.add_argument_group("several models")
+    g.add_argument("--models-dir", default=None, metavar="DIR",
+                   help="serve every checkpoint folder (with a config.json) and .gguf file in DIR, each named by "
+                        "its folder or file name")
+    g.add_argument("--models-config", default=None, metavar="FILE",
+                   help="a YAML or JSON file listing models with their names and serve options "
+                        "(models: [{model: PATH, name: NAME, pin: true, options: {max_model_len: 1024}}])")
+    g.add_argument("--models-memory", type=parse_size, default=None, metavar="SIZE",
+                   help="memory the loaded models may hold together (weights, KV caches, their processes); a model "
+                        "that does not fit unloads the least recently used idle ones (default: 80%% of what this "
+                        "machine or its cgroup has available)")
+    g.add_argument("--model-idle-timeout", type=float, default=None, metavar="SECONDS",
+                   help="unload a model after this many seconds without requests (default: never)")
+    g.add_argument("--pin-model", action="append", default=None, metavar="NAME",
+                   help="keep this model loaded from start-up on, never unloaded (may be given more than once)")
+    g.add_argument("--model-load-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="longest a model may take to load, and the longest a request without a deadline waits "
+                        "for its model (default 300)")
 
 
 def _add_server_flags(srv: argparse.ArgumentParser) -> None:
     """The model, where to listen, the API key, logging, shutdown and chat templates."""
     srv.add_argument("model_pos", metavar="MODEL", nargs="?", default=None,
                      help="model directory (default: the embedded tiny-shakespeare)")
-    srv.add_argument("--model", default=None, action=GivenOnce, help="model directory (same as MODEL; one model a "
-                     "server)")
+    srv.add_argument("--model", default=None, action="append",
+                     help="model directory or .gguf file (same as MODEL); given more than once, one server serves "
+                          "them all, each loaded on its first request (see --models-memory)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (env PAGEDLLM_API_KEY)")

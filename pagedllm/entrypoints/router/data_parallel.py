@@ -101,7 +101,8 @@ def replica_gpu_env(config: EngineConfig, dp: int) -> list[dict[str, str]]:
     return [{"CUDA_VISIBLE_DEVICES": ",".join(visible[i * tp:(i + 1) * tp])} for i in range(dp)]
 
 
-def child_flags(serve_parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+def child_flags(serve_parser: argparse.ArgumentParser, args: argparse.Namespace,
+                exclude: frozenset[str] = frozenset()) -> list[str]:
     """The ``pagedllm serve`` flags the user gave, rebuilt from the parsed namespace (so every
     spelling of them works), minus the ones the launcher sets per replica. A flag given is a
     value other than its default (the serve parser's own namespace of defaults: argparse lists
@@ -109,7 +110,7 @@ def child_flags(serve_parser: argparse.ArgumentParser, args: argparse.Namespace)
     boolean is a switch (--x, or --no-x for a BooleanOptionalAction turned off)."""
     out: list[str] = []
     for dest, default in vars(serve_parser.parse_args([])).items():
-        if dest in _NOT_FORWARDED:
+        if dest in _NOT_FORWARDED or dest in exclude:
             continue
         value = getattr(args, dest)
         if value is None or value == default:
@@ -157,14 +158,14 @@ class Replicas:
     """The child servers: started together, stopped together (SIGTERM, then kill); each dies with
     this process (``watch_parent``: a pipe per replica whose write end stays here)."""
 
-    def __init__(self, commands: list[list[str]], envs_: list[dict[str, str]]) -> None:
+    def __init__(self, commands: list[list[str]], envs_: list[dict[str, str]], stderr=None) -> None:
         self.procs: list[subprocess.Popen] = []
         self._pipes: list[int] = []  # write ends, never written: closed when this process ends
         for cmd, extra in zip(commands, envs_):
             read_end, write_end = os.pipe()
             try:
                 self.procs.append(subprocess.Popen(cmd, env={**os.environ, **extra, envs.PARENT_PIPE_FD: str(read_end)},
-                                                   pass_fds=(read_end,)))
+                                                   pass_fds=(read_end,), stderr=stderr))
             finally:
                 os.close(read_end)
             os.set_inheritable(write_end, False)

@@ -29,8 +29,10 @@ def _labels(labels: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items()) + "}"
 
 
-def merge_backend_metrics(texts: Sequence[Optional[str]]) -> str:
-    """One exposition text from the backends' texts (None: that replica gave none)."""
+def merge_backend_metrics(texts: Sequence[Optional[str]], label: Optional[str] = "replica") -> str:
+    """One exposition text from the backends' texts (None: that replica gave none); each sample
+    gets ``label`` = the backend's index (None: no label added; the backends' own labels tell
+    them apart)."""
     from prometheus_client.parser import text_string_to_metric_families
     from prometheus_client.utils import floatToGoString
 
@@ -41,7 +43,7 @@ def merge_backend_metrics(texts: Sequence[Optional[str]]) -> str:
         for fam in text_string_to_metric_families(text):
             entry = families.setdefault(fam.name, {"type": fam.type, "help": fam.documentation, "samples": []})
             for s in fam.samples:
-                labels = {"replica": str(i), **s.labels}
+                labels = {label: str(i), **s.labels} if label else s.labels
                 entry["samples"].append(f"{s.name}{_labels(labels)} {floatToGoString(s.value)}")
     out: list[str] = []
     for name, entry in families.items():

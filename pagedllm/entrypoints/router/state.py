@@ -9,7 +9,10 @@ import logging
 from typing import TYPE_CHECKING, Optional
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.relay import error_event, relay, request_headers, unless_disconnected, whole_response
+from pagedllm.entrypoints.relay import error_response as relay_error
 
 from pagedllm.entrypoints.router.metrics import merge_backend_metrics, router_metrics
 from pagedllm.entrypoints.router.replicas import Choice, ReplicaSet
@@ -19,24 +22,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pagedllm.entrypoints.router.app")
 
-_FORWARD_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id", "x-request-timeout", "accept")
-_FORWARD_RESPONSE_HEADERS = ("retry-after", "x-request-id")
 _RETRY_CODES = {"loading", "shutting_down", "engine_dead"}  # a 503 the request never reached an engine for
 
 
 def error_response(status: int, message: str, code: str, replica: Optional[int] = None,
                    headers: Optional[dict[str, str]] = None) -> JSONResponse:
     """An OpenAI-shaped error the router answers itself (naming the replica, if one was tried)."""
-    kind = "server_error" if status >= 500 else "invalid_request_error"
-    headers = {**(headers or {}), **({"x-pagedllm-replica": str(replica)} if replica is not None else {})} or None
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}},
-                        status_code=status, headers=headers)
-
-
-def error_event(message: str, code: str) -> bytes:
-    """The end of a stream that broke mid-way: an error event, then [DONE]."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+    headers = {**(headers or {}), **({"x-pagedllm-replica": str(replica)} if replica is not None else {})}
+    return relay_error(status, message, code, headers)
 
 
 class RouterState:
@@ -122,27 +115,12 @@ class RouterState:
     async def proxy(self, raw: Request, path: str, body: bytes, hashes: list[bytes], count: bool = True) -> Response:
         """Forward to a replica; a client that goes away before the answer starts cancels it (the
         replica sees its connection close and aborts the request)."""
-        task = asyncio.ensure_future(self._proxy(raw, path, body, hashes, count))
-
-        async def watch() -> None:
-            while (await raw.receive())["type"] != "http.disconnect":
-                pass
-            task.cancel()
-
-        watcher = asyncio.ensure_future(watch())
-        try:
-            return await task
-        except asyncio.CancelledError:
-            if task.cancelled() and watcher.done():
-                return Response(status_code=499)  # nobody is left to read it
-            raise
-        finally:
-            watcher.cancel()
+        return await unless_disconnected(raw, self._proxy(raw, path, body, hashes, count))
 
     async def _proxy(self, raw: Request, path: str, body: bytes, hashes: list[bytes], count: bool = True) -> Response:
         import httpx
 
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in _FORWARD_REQUEST_HEADERS}
+        headers = request_headers(raw)
         tried, dropped = [], 0
         while True:
             choice: Optional[Choice] = self.replicas.choose(hashes, exclude=tried, count=count)
@@ -195,43 +173,17 @@ class RouterState:
 
     @staticmethod
     def _response(resp, data: bytes, replica_id: int) -> Response:
-        headers = {k: v for k, v in resp.headers.items() if k.lower() in _FORWARD_RESPONSE_HEADERS}
-        headers["x-pagedllm-replica"] = str(replica_id)
-        return Response(content=data, status_code=resp.status_code, headers=headers,
-                        media_type=resp.headers.get("content-type"))
+        return whole_response(resp, data, {"x-pagedllm-replica": str(replica_id)})
 
     async def _relay(self, resp, replica) -> Response:
-        import httpx
+        async def broke(e: Exception, mid_stream: bool) -> tuple[int, str, str]:
+            self.proxy_errors += 1
+            where = "mid-stream" if mid_stream else "mid-answer"
+            await self._fault(replica, f"{type(e).__name__} {where}: {e}")
+            return 502, f"replica {replica.id} failed {'mid-stream' if mid_stream else 'while answering'}: {e}", \
+                "replica_failed"
 
-        if not resp.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                data = await resp.aread()
-            except httpx.HTTPError as e:
-                self.proxy_errors += 1
-                await self._fault(replica, f"{type(e).__name__} mid-answer: {e}")
-                return error_response(502, f"replica {replica.id} failed while answering: {e}", "replica_failed",
-                                      replica.id)
-            finally:
-                await resp.aclose()
-                self.replicas.finish(replica)
-            return self._response(resp, data, replica.id)
-
-        async def chunks():
-            try:
-                async for chunk in resp.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as e:
-                self.proxy_errors += 1
-                await self._fault(replica, f"{type(e).__name__} mid-stream: {e}")
-                yield error_event(f"replica {replica.id} failed mid-stream: {e}", "replica_failed")
-            finally:
-                await resp.aclose()
-                self.replicas.finish(replica)
-
-        headers = {k: v for k, v in resp.headers.items() if k.lower() in _FORWARD_RESPONSE_HEADERS}
-        headers["x-pagedllm-replica"] = str(replica.id)
-        return StreamingResponse(chunks(), status_code=resp.status_code, headers=headers,
-                                 media_type=resp.headers.get("content-type"))
+        return await relay(resp, {"x-pagedllm-replica": str(replica.id)}, lambda: self.replicas.finish(replica), broke)
 
     async def gather_metrics(self) -> str:
         async def one(r) -> Optional[str]:
