@@ -214,6 +214,11 @@ class SchedulerStats:
     # batch in flight, a grammar still compiling) rather than left for lack of room (vLLM's
     # num_requests_waiting_by_reason).
     num_waiting_deferred: int = 0
+    # Since start, for the step performance model (metrics/perf_model.py): requests scheduled
+    # (summed over steps), (query token, context token) pairs attended, tokens whose KV was read
+    num_scheduled_rows_total: int = 0
+    num_attention_pairs_total: int = 0
+    num_context_tokens_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,7 @@ class EngineLimits:
     max_n: int
     pipeline_parallel: bool = False
     speculative: bool = False
+    step_cost: object = None  # metrics/perf_model.StepCostModel (vLLM's estimated_*_per_gpu), or None
 
 
 @dataclass(frozen=True, slots=True)

@@ -99,6 +99,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_waiting_deferred = 0  # waiting requests the last step set aside (SchedulerStats)
         self.num_scheduled_tokens_total = 0
+        self.num_scheduled_rows_total = 0  # requests scheduled, summed over steps
+        self.num_attention_pairs_total = 0  # (query token, context token) pairs attended
+        self.num_context_tokens_total = 0  # tokens whose KV each step's rows read (context + new)
         self.num_steps = 0
         self.num_batched_reqs_max = 0
 
@@ -254,12 +257,20 @@ class Scheduler:
             return FAILED
 
     def _close_step(self, plan: StepPlan) -> SchedulerOutput:
+        pairs = context = 0  # the step's attention (query, key) pairs x 2, and context tokens (metrics/perf_model.py)
         for rid, n in plan.num_scheduled.items():
-            self.requests[rid].num_computed_tokens += n
+            req = self.requests[rid]
+            c = req.num_computed_tokens
+            req.num_computed_tokens = c + n
+            context += c
+            pairs += n * (2 * c + n + 1)
         for nr in plan.new_reqs:
             self._sent_to_workers[nr.req_id] = len(nr.token_ids)
         total = sum(plan.num_scheduled.values())
         self.num_scheduled_tokens_total += total
+        self.num_attention_pairs_total += pairs // 2
+        self.num_context_tokens_total += context + total
+        self.num_scheduled_rows_total += len(plan.num_scheduled)
         if total:
             self.num_steps += 1
             self.num_batched_reqs_max = max(self.num_batched_reqs_max, len(plan.num_scheduled))
@@ -524,6 +535,9 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens_total=self.num_scheduled_tokens_total,
+            num_scheduled_rows_total=self.num_scheduled_rows_total,
+            num_attention_pairs_total=self.num_attention_pairs_total,
+            num_context_tokens_total=self.num_context_tokens_total,
             num_steps=self.num_steps,
             num_batched_reqs_max=self.num_batched_reqs_max,
             num_waiting_deferred=self.num_waiting_deferred,

@@ -99,6 +99,8 @@ class AsyncLLM:
         self._num_pending = 0  # sequences (n per request) submitted, not yet finished (admission limit)
         self._pending_seqs: dict[str, int] = {}
         self.max_pending_seqs = config.max_num_seqs + resolve_max_waiting_requests(config)
+        self.num_queue_full = 0  # requests refused by that limit (QueueFullError; vLLM's admission_rejections)
+        self.step_cost = self.engine.client.limits.step_cost  # the step performance model, for the metrics
         self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self.dead_error: Optional[BaseException] = None
@@ -138,6 +140,7 @@ class AsyncLLM:
         seqs = sequences_of(params)
         self.check_can_fit(seqs)
         if self._num_pending + seqs > capacity:
+            self.num_queue_full += 1
             raise QueueFullError(
                 f"the server is overloaded: {self._num_pending} sequences in flight and this request adds "
                 f"{seqs}; the limit is max_num_seqs + max_waiting_requests = {capacity}; retry later"

@@ -367,7 +367,23 @@ class EngineCore:
         c = self.config
         return EngineLimits(self.max_model_len, c.max_num_seqs, self.max_num_batched_tokens, self.num_blocks,
                             c.block_size, c.max_n, pipeline_parallel=self.batch_depth > 1 and not self.async_scheduling,
-                            speculative=c.speculative_config is not None)
+                            speculative=c.speculative_config is not None, step_cost=self._step_cost())
+
+    def _step_cost(self):
+        """The per-rank performance model of a step (metrics/perf_model.py), from the config and
+        the weights loaded; None where the checkpoint's config lacks a decoder's fields."""
+        from pagedllm.attention.kv_quant import SCALE_DTYPE, kv_quant
+        from pagedllm.metrics.perf_model import step_cost_model
+        from pagedllm.worker.worker import resolve_device, resolve_dtype
+
+        c, quant = self.config, kv_quant(self.config.kv_cache_dtype)
+        dtype = quant.dtype if quant is not None else resolve_dtype(c.dtype, self.hf_config, resolve_device(c.device))
+        try:
+            return step_cost_model(self.hf_config, c.tensor_parallel_size * c.pipeline_parallel_size,
+                                   self.executor.weight_bytes_per_rank, dtype.itemsize,
+                                   SCALE_DTYPE.itemsize if quant is not None else 0)
+        except AttributeError:
+            return None
 
     def reset_prefix_cache(self) -> bool:
         return self.kv_cache_manager.reset_prefix_cache()

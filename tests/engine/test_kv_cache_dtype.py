@@ -79,7 +79,8 @@ def test_capacity_at_least_1_9x_bfloat16(make_ckpt):
     # /metrics: the capacity gauge and the dtype label
     metrics = PrometheusMetrics("m")
     engine = SimpleNamespace(on_step=None, on_finished=None, on_step_phases=None, last_token_gaps=[],
-                             config=llm.engine.config, stats=s, max_model_len=llm.engine.max_model_len)
+                             config=llm.engine.config, stats=s, max_model_len=llm.engine.max_model_len,
+                             num_queue_full=0, step_cost=None)
     metrics.attach(engine)
     text = metrics.render()[0].decode()
     assert f'pagedllm:kv_cache_capacity_tokens{{model_name="m"}} {float(tokens["fp8_e4m3"])}' in text

@@ -12,27 +12,21 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.core.contracts import SchedulerStats
+from pagedllm.metrics.perf_model import StepCostModel
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "vllm_metric_families.json")
 # vLLM families this engine does not export, and why (docs/usage.md's metrics section says the same)
-NOT_PRODUCED = {
-    "vllm:external_prefix_cache_queries": "no KV connector (cross-instance cache) here",
-    "vllm:external_prefix_cache_hits": "no KV connector (cross-instance cache) here",
-    "vllm:mm_cache_queries": "no multimodal processor cache here",
-    "vllm:mm_cache_hits": "no multimodal processor cache here",
-    "vllm:admission_rejections": "no max_num_queued_reqs / max_num_queued_tokens queue limits here (a full "
-                                 "queue is a 429 counted nowhere yet)",
-    "vllm:estimated_flops_per_gpu": "no per-GPU performance model here",
-    "vllm:estimated_read_bytes_per_gpu": "no per-GPU performance model here",
-    "vllm:estimated_write_bytes_per_gpu": "no per-GPU performance model here",
-}
+NOT_PRODUCED: dict[str, str] = {}
 # label values vLLM pre-creates that never occur here
 VALUES_NOT_PRODUCED = {
     ("vllm:request_success", "finished_reason"): {"repetition"},  # no repetition detection
     ("vllm:prompt_tokens_cached_by_source", "source"): {"host", "disk", "p2p", "external_unspecified"},
+    ("vllm:admission_rejections", "reason"): {"max_num_queued_tokens"},  # no queued-token limit
 }
-INFO_FAMILIES = {"vllm:cache_config_info"}  # labels: the subset of vLLM's config fields this engine has
+# labels: the subset of vLLM's config fields this engine has, and model_name (vLLM's info families
+# lack it; here every family carries it, so several models' series stay apart)
+INFO_FAMILIES = {"vllm:cache_config_info"}
 
 
 def families(text: str) -> dict:
@@ -53,10 +47,16 @@ def families(text: str) -> dict:
     return out
 
 
+# a made-up model: 100 FLOPs a token, 10 a row, 1 a pair; 1000 weight bytes, 8 KV bytes a token
+STEP_COST = StepCostModel(flops_per_token=100, flops_per_row=10, flops_per_pair=1, weight_bytes=1000,
+                          kv_bytes_per_token=8)
+
+
 def stats(**kw):
     base = dict(num_running=1, num_waiting=3, kv_cache_usage=0.25, num_free_blocks=6, num_total_blocks=8,
                 prefix_cache_queries=12, prefix_cache_hits=4, num_preemptions=1, num_scheduled_tokens_total=20,
-                num_steps=3, num_batched_reqs_max=2, num_waiting_deferred=1)
+                num_steps=3, num_batched_reqs_max=2, num_waiting_deferred=1, num_scheduled_rows_total=4,
+                num_attention_pairs_total=50, num_context_tokens_total=30)
     return SchedulerStats(**{**base, **kw})
 
 
@@ -66,7 +66,10 @@ class GapsEngine:
     def __init__(self):
         self.on_step = self.on_finished = self.on_step_phases = None
         self.stats, self.max_model_len, self.last_token_gaps = stats(), 1024, []
-        self.config = SimpleNamespace(enable_lora=False, kv_cache_dtype="auto", block_size=16, enable_prefix_caching=True)
+        self.num_queue_full, self.step_cost = 0, STEP_COST
+        self.config = SimpleNamespace(enable_lora=False, kv_cache_dtype="auto", block_size=16, enable_prefix_caching=True,
+                                      gpu_memory_utilization=0.9, kv_cache_memory=None, num_gpu_blocks_override=None,
+                                      kv_offloading_size=None, kv_offloading_backend="native")
 
 
 def fed_metrics(max_model_len: int):
@@ -77,7 +80,9 @@ def fed_metrics(max_model_len: int):
     engine.max_model_len = max_model_len
     pm.attach(engine)  # cache_config_info from its config: 8 blocks of 16, prefix caching on
     engine.last_token_gaps = [0.02, 0.03, 0.5]
-    pm.on_step(stats(num_scheduled_tokens_total=27), 0.01)
+    engine.num_queue_full = 2  # two requests got a 429 for a full queue
+    pm.on_step(stats(num_scheduled_tokens_total=27, num_steps=4, num_scheduled_rows_total=6,
+                     num_attention_pairs_total=90, num_context_tokens_total=45), 0.01)
     out = RequestOutput("r", None, [1, 2, 3, 4], None, [CompletionOutput(0, "abc", [5, 6, 7, 8, 9], None, None,
                                                                          "stop")],
                         True, num_cached_tokens=2,
@@ -102,7 +107,7 @@ def test_families_match_vllm_0_32():
         got = ours[name]
         assert got["type"] == want["type"], name
         if name in INFO_FAMILIES:
-            assert set(got["labels"]) <= set(want["labels"]), (name, got["labels"])
+            assert set(got["labels"]) - {"model_name"} <= set(want["labels"]), (name, got["labels"])
         else:
             assert got["labels"] == want["labels"], (name, got["labels"], want["labels"])
         if want["type"] == "histogram":
@@ -142,6 +147,27 @@ def test_a_finished_request_and_a_step_fill_the_families():
     assert sample("vllm:request_success", "_total", (("finished_reason", "stop"),)) == 1
     assert sample("vllm:request_success", "_total", (("finished_reason", "length"),)) == 0  # made up front
     assert sample("vllm:engine_sleep_state", "", (("sleep_state", "awake"),)) == 1
+    # the step model since start: 27 tokens, 6 rows, 90 attention pairs, 4 steps, 45 KV tokens read
+    assert sample("vllm:estimated_flops_per_gpu", "_total") == 100 * 27 + 10 * 6 + 90
+    assert sample("vllm:estimated_read_bytes_per_gpu", "_total") == 1000 * 4 + 8 * 45
+    assert sample("vllm:estimated_write_bytes_per_gpu", "_total") == 8 * 27
+    for family in ("external_prefix_cache_queries", "external_prefix_cache_hits", "mm_cache_queries",
+                   "mm_cache_hits"):  # no KV offload tier, no multimodal processor cache
+        assert sample(f"vllm:{family}", "_total") == 0
+    rejected = got["vllm:admission_rejections"]["samples"]
+    assert rejected[("vllm:admission_rejections_total", (("model_name", "m"), ("reason", "max_num_queued_reqs")),
+                     None)] == 2
+    info = got["vllm:cache_config_info"]["samples"]
+    (labels,) = [dict(k) for (_, k, _) in info]
+    assert labels["num_gpu_blocks"] == "8" and labels["kv_cache_size_tokens"] == "128"
+    assert labels["model_name"] == "m" and labels["prefix_caching_hash_algo"] == "sha256"
+
+
+def test_every_family_carries_the_model_name():
+    got = families(fed_metrics(1024).render()[0].decode())
+    ours = {name: fam for name, fam in got.items() if name.startswith("vllm:")}
+    assert ours and all("model_name" in fam["labels"] for fam in ours.values()), \
+        [name for name, fam in ours.items() if "model_name" not in fam["labels"]]
 
 
 def test_server_exports_them_with_real_gaps(server, client):
@@ -162,3 +188,30 @@ def test_server_exports_them_with_real_gaps(server, client):
     assert count("pagedllm:inter_token_latency_seconds") == 4  # one gap per output after the first
     assert count("pagedllm:request_params_max_tokens") == 1
     assert got["pagedllm:num_requests_running"]["labels"] == ["engine", "model_name"]
+    # the step model: at idle the counters hold the model's figures of the engine's counters
+    cost, idle = server.engine.step_cost, server.engine.stats
+    assert cost is not None and cost.flops_per_token > 0 and cost.weight_bytes > 0 and cost.kv_bytes_per_token > 0
+    for name, want in zip(("flops", "read_bytes", "write_bytes"), cost.totals(idle)):
+        (value,) = got[f"pagedllm:estimated_{name}_per_gpu"]["samples"].values()
+        assert value == want > 0, name
+
+
+def test_a_full_queue_is_counted(server):
+    from conftest import wait_idle
+
+    def rejected():
+        text = httpx.get(server.url + "/metrics", timeout=30).text
+        (value,) = families(text)["pagedllm:admission_rejections"]["samples"].values()
+        return value
+
+    wait_idle(server.engine)
+    before = rejected()
+    engine = server.engine
+    engine._count("in-flight", engine.max_pending_seqs)  # as if the queue were full
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "w1", "max_tokens": 1},
+                       timeout=30)
+    finally:
+        engine._release("in-flight")
+    assert r.status_code == 429
+    assert rejected() == before + 1

@@ -139,7 +139,8 @@ def test_runtime_updating_is_off_by_default(served):
 def test_metrics_show_lora_requests_info(served):
     complete(served["client"], "sql")
     text = httpx.get(served["url"] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    assert 'pagedllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in text
+    assert ('pagedllm:lora_requests_info{max_lora="2",model_name="tiny",running_lora_adapters="",'
+            'waiting_lora_adapters=""}') in text
 
 
 def test_lora_modules_flags_parse():
