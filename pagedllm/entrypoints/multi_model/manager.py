@@ -159,6 +159,8 @@ class ModelManager:
     # ---- requests ----------------------------------------------------------------------------
     async def acquire(self, m: ServedModel, deadline: float) -> None:
         """Wait until ``m`` is loaded and count a request in flight on it (``release`` ends it)."""
+        if m.state is ModelState.UNLOADED:
+            m.unservable = None  # judged again for this request (other models may have gone since)
         while True:
             if self.closing:
                 raise ModelUnavailable(503, "the server is shutting down", "shutting_down")
@@ -169,8 +171,6 @@ class ModelManager:
             now = time.monotonic()
             if m.state is ModelState.FAILED and now - m.failed_at < self.settings.retry_failed_s:
                 raise ModelUnavailable(500, f"the model `{m.name}` failed to load: {m.error}", "model_load_failed")
-            if m.unservable is not None and m.state is ModelState.UNLOADED and m.waiting == 0:
-                m.unservable = None  # judged again for this request
             if m.state in (ModelState.UNLOADED, ModelState.FAILED):
                 self._want(m)
             if m.unservable is not None:
@@ -239,24 +239,25 @@ class ModelManager:
         self._make_room(need - free, runtime)
 
     def _make_room(self, short: int, runtime: int) -> None:
-        """Unload idle models (least recently used first); if that is not enough, drain busy ones."""
+        """Unload idle models (least recently used first); if that is not enough, drain busy ones.
+        Models already draining or unloading count as room on its way."""
         freeing = sum(m.footprint(runtime) for m in self.models.values()
                       if m.state in (ModelState.DRAINING, ModelState.UNLOADING))
-        for m in sorted((m for m in self.models.values() if m.idle()), key=lambda m: m.last_used):
+        idle = sorted((m for m in self.models.values() if m.idle()), key=lambda m: m.last_used)
+        # a loaded model whose waiters have not yet taken it is left to serve them first
+        busy = sorted((m for m in self.models.values() if m.state is ModelState.LOADED and m.in_flight
+                       and not m.waiting and not m.entry.pinned), key=lambda m: m.last_used)
+        for m in idle + busy:
             if freeing >= short:
-                return
-            self._begin_unload(m, "memory")
-            freeing += m.footprint(runtime)
-        busy = [m for m in self.models.values() if m.state is ModelState.LOADED and not m.entry.pinned]
-        for m in sorted(busy, key=lambda m: m.last_used):
-            if freeing >= short:
-                return
-            logger.info("model %s: draining (%d in flight) to make room", m.name, m.in_flight)
-            m.state = ModelState.DRAINING
-            freeing += m.footprint(runtime)
-            if m.in_flight == 0:
+                break
+            if m.idle():
                 self._begin_unload(m, "memory")
-        self._notify()
+            else:
+                logger.info("model %s: draining (%d in flight) to make room", m.name, m.in_flight)
+                m.state = ModelState.DRAINING  # takes no new request; unloads when its last one ends
+                self._changed.set()
+                self._changed = asyncio.Event()
+            freeing += m.footprint(runtime)
 
     async def _load(self, m: ServedModel) -> None:
         import httpx

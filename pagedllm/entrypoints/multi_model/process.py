@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import subprocess
 import sys
 import threading
 from typing import Optional
 
 from pagedllm.entrypoints.router.data_parallel import Replicas
+
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ \S+ \[[^\]]*\]: ")
 
 
 def _children(pid: int) -> list[int]:
@@ -90,12 +93,16 @@ class ModelProcess:
         return 0 if self.exited() is not None else tree_memory_bytes(self.proc.pid)
 
     def error_summary(self) -> str:
-        """What the child said last: its error line, else its last lines."""
+        """What the child said last: its one-line error, else its last line naming an error, else
+        its last lines (log lines without their time and logger prefix)."""
         self._reader.join(timeout=2)  # the child exited: read what it wrote to the end
-        lines = [ln for ln in self.tail if ln.strip()]
+        lines = [_LOG_PREFIX.sub("", ln).strip() for ln in self.tail if ln.strip()]
         for ln in reversed(lines):
-            if "error" in ln.lower() or "Error" in ln:
-                return ln.strip()[-500:]
+            if ln.startswith("pagedllm serve: error:"):
+                return ln[len("pagedllm serve: error:"):].strip()[-500:]
+        for ln in reversed(lines):
+            if "error" in ln.lower():
+                return ln[-500:]
         return " | ".join(lines[-3:])[-500:] or "no output"
 
     def terminate(self) -> None:
