@@ -3,6 +3,8 @@ the runtime LoRA ones, /v1/load_lora_adapter and /v1/unload_lora_adapter (with
 ``--allow-runtime-lora-updating``)."""
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
 
@@ -18,19 +20,19 @@ from pagedllm.entrypoints.openai.serving import APIError
 router = APIRouter(route_class=OffLoopBodyRoute)
 
 
-def _max_model_len(state: ServerState):
+async def _max_model_len(state: ServerState):
     """The served model's max_model_len: the generating engine's, or the pooling engine's on a
-    pooling server; None while loading."""
+    pooling server; while loading, the one it is configured for."""
     if state.serving is not None:
         return state.engine.max_model_len
     if state.pooling is not None:
         return state.pooling.max_model_len
-    return None
+    return await asyncio.to_thread(state.planned_max_model_len)
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model_card(model_id: str, state: ServerState = Depends(current_server)):
-    max_len = _max_model_len(state)
+    max_len = await _max_model_len(state)
     cards = [ModelCard(id=n, root=state.model_path, max_model_len=max_len) for n in state.served_model_names]
     for card in cards + lora_modules.lora_model_cards(state.serving, max_len):
         if card.id == model_id:
@@ -40,7 +42,7 @@ async def model_card(model_id: str, state: ServerState = Depends(current_server)
 
 @router.get("/v1/models")
 async def models(state: ServerState = Depends(current_server)):
-    max_len = _max_model_len(state)
+    max_len = await _max_model_len(state)
     return json_response(ModelList(data=[ModelCard(id=n, root=state.model_path, max_model_len=max_len)
                                          for n in state.served_model_names]
                                    + lora_modules.lora_model_cards(state.serving, max_len)))

@@ -77,6 +77,7 @@ class ServerState:
         self.started = time.monotonic()
         self.ready_seconds: Optional[float] = None
         self.dashboard = None  # the DashboardRecorder (--enable-dashboard) once the engine is ready
+        self._planned_max_model_len: Optional[int] = None
         if self.engine is not None:
             lora_modules.register_lora_modules(self.engine, self.args.lora_modules, self.served_model_names)
             self._ready(self.engine)
@@ -85,6 +86,20 @@ class ServerState:
     def http_read_timeout(self) -> float:
         """Seconds between a request body's chunks (``http_guard.guard_body``)."""
         return self.args.http_read_timeout
+
+    def planned_max_model_len(self) -> Optional[int]:
+        """While the engine loads: the max_model_len it is configured for (the one it was given, else
+        the checkpoint's context length); None if the checkpoint's config cannot be read."""
+        if self._planned_max_model_len is None:
+            requested = self.config.max_model_len
+            try:
+                from pagedllm.config import resolve_max_model_len
+                from pagedllm.models.config_json import load_hf_config
+
+                self._planned_max_model_len = resolve_max_model_len(load_hf_config(self.config.model), requested)
+            except Exception:  # noqa: BLE001 (the loader reports a bad checkpoint)
+                return requested
+        return self._planned_max_model_len
 
     def start_loading(self) -> None:
         if self.engine is None and self._loader is None:
