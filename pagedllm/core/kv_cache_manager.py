@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 from pagedllm.core.block_hash import extend_block_hashes
 from pagedllm.core.block_pool import BlockPool, KVCacheBlock
 from pagedllm.core.contracts import KVTierStats, KVTransfers, TierCopy
@@ -64,6 +66,9 @@ class KVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks of a request already in the map
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # by RequestTable slot: the token count up to which a request's next slots are in blocks it
+        # holds and fill none (allocate_slots would change nothing); 0: unknown (the full path runs)
+        self.room = np.zeros(0, dtype=np.int64)
 
     # ---- stats ------------------------------------------------------------------------------
     @property
@@ -81,6 +86,22 @@ class KVCacheManager:
     def block_states(self) -> bytes:
         """Each block's state, by block id (block_pool.BLOCK_FREE / CACHED / IN_USE / SHARED)."""
         return self.pool.block_states()
+
+    def track_row(self, slot: int) -> None:
+        """A new RequestTable row: its room starts unknown (the columns grow with the table's)."""
+        if slot >= len(self.room):
+            self.room = np.concatenate([self.room, np.zeros(max(slot + 1, 2 * len(self.room)) - len(self.room),
+                                                            dtype=np.int64)])
+        self.room[slot] = 0
+
+    def _set_room(self, request: Request, blocks: list) -> None:
+        """After the full path: what the fast path of allocate_slots accepts from now on."""
+        if request.slot < 0 or self.sliding_window is not None:
+            return
+        room = len(blocks) * self.block_size
+        if self.enable_prefix_caching:
+            room = min(room, (self.num_cached_blocks.get(request.request_id, 0) + 1) * self.block_size - 1)
+        self.room[request.slot] = room
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
@@ -196,6 +217,7 @@ class KVCacheManager:
             if -(-after // self.block_size) <= len(held) and (not self.enable_prefix_caching or after // self.block_size
                                                                <= self.num_cached_blocks.get(request.request_id, 0)):
                 return []
+            return self._extend(request, held, after)
         new_computed_blocks = new_computed_blocks or []
         held = held if held is not None else []
         num_held = len(held)
@@ -225,16 +247,37 @@ class KVCacheManager:
         blocks.extend(live_hits)
         blocks.extend(fresh)
         if self.enable_prefix_caching:
-            # Register full blocks of known tokens now: they are written in this very step, and
-            # attention in the same forward pass reads them only after every layer's K/V store.
-            self._update_hashes(request)
-            num_full = min(num_tokens_after // self.block_size, len(request.block_hashes))
-            start = self.num_cached_blocks.get(request.request_id, 0)
-            for i in range(start, num_full):
-                if blocks[i] is not OUT_OF_WINDOW:
-                    self.pool.cache_block(blocks[i], request.block_hashes[i])
-            self.num_cached_blocks[request.request_id] = max(start, num_full)
+            self._register_full(request, blocks, num_tokens_after)
+        self._set_room(request, blocks)
         return [b.block_id for b in blocks[num_held:]]
+
+    def _extend(self, request: Request, blocks: list[KVCacheBlock], num_tokens_after: int) -> Optional[list[int]]:
+        """The full path for a request that holds blocks, takes no hits and has no window (a
+        decode step reaching a block boundary): fresh blocks for ``num_tokens_after`` tokens and
+        the blocks that filled registered in the prefix cache."""
+        num_new_blocks = self.blocks_needed(num_tokens_after) - len(blocks)
+        fresh = []
+        if num_new_blocks > 0:
+            if num_new_blocks > self.pool.num_free_blocks:
+                return None
+            fresh = self.pool.get_new_blocks(num_new_blocks)
+            blocks.extend(fresh)
+        if self.enable_prefix_caching:
+            self._register_full(request, blocks, num_tokens_after)
+        self._set_room(request, blocks)
+        return [b.block_id for b in fresh]
+
+    def _register_full(self, request: Request, blocks: list[KVCacheBlock], num_tokens_after: int) -> None:
+        """Register full blocks of known tokens now: they are written in this very step, and
+        attention in the same forward pass reads them only after every layer's K/V store."""
+        self._update_hashes(request)
+        num_full = min(num_tokens_after // self.block_size, len(request.block_hashes))
+        rid = request.request_id
+        start = self.num_cached_blocks.get(rid, 0)
+        for i in range(start, num_full):
+            if blocks[i] is not OUT_OF_WINDOW:
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[rid] = max(start, num_full)
 
     # ---- sliding window ---------------------------------------------------------------------
     def _num_dead_blocks(self, first_new_pos: int) -> int:
@@ -257,6 +300,8 @@ class KVCacheManager:
         """``uncache``: forget the prefix-cache hashes of blocks no one else holds (a failed
         step may have registered blocks whose K/V were never written)."""
         rid = request.request_id
+        if request.slot >= 0:
+            self.room[request.slot] = 0
         blocks = self.req_blocks.pop(rid, None)
         self.num_cached_blocks.pop(rid, None)
         freed = self.num_window_freed.pop(rid, 0)
@@ -279,6 +324,8 @@ class KVCacheManager:
             return 0
         tail = blocks[keep:]
         del blocks[keep:]
+        if request.slot >= 0:
+            self.room[request.slot] = 0
         self.pool.free_blocks(reversed(tail))
         return len(tail)
 

@@ -65,6 +65,7 @@ class Request:
         "mm_features",
         "deadline",
         "parent_id",
+        "slot",
     )
 
     def __init__(
@@ -108,6 +109,7 @@ class Request:
         self.mm_features = tuple(mm_features)
         self.deadline = deadline  # time.monotonic() past which the core ends it (None: never)
         self.parent_id = parent_id  # the request it is one of n / best_of children of (None: it is the request)
+        self.slot = -1  # its row in the scheduler's RequestTable (core/request_table.py); -1: none
 
     @property
     def cache_key(self) -> Optional[str]:

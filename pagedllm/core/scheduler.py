@@ -41,6 +41,7 @@ from pagedllm.core.contracts import (
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.look_ahead import make_look_ahead
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request_table import ALLOCATE, RequestTable
 from pagedllm.core.scheduling_policy import make_policy
 from pagedllm.core.scheduling_units import BLOCKED, SET_ASIDE, RequestUnit, SchedulingUnit, StepPlan
 
@@ -86,6 +87,10 @@ class Scheduler:
         self.lora_slots = next((c.slots for c in self.constraints if isinstance(c, LoRASlots)), None)
         self._pipeline = next((c for c in self.constraints if isinstance(c, InFlightBatches)), None)
         self.requests: dict[str, Request] = {}
+        self.table = RequestTable(max(8, limits.max_num_seqs))  # plain requests' rows (core/request_table.py)
+        kv_cache_manager.track_row(self.table.capacity - 1)
+        # the decode rows may be scheduled in bulk (workers learn no ids from the diffs, no window)
+        self._bulk_decode = not limits.send_new_token_ids and kv_cache_manager.sliding_window is None
         self.beam_groups: dict[str, BeamUnit] = {}  # units known by a group id (= the request id of a beam search)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -140,6 +145,7 @@ class Scheduler:
             request.unit = GrammarUnit(request, self.grammars)
         else:
             request.unit = RequestUnit(request)
+            self.kv.track_row(self.table.add(request, self.limits.max_model_len))
         self.requests[request.request_id] = request
         self.policy.enqueue(self.waiting, request)
         if request.deadline is not None:
@@ -200,8 +206,16 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         running = self.running
         checked = bool(self.constraints) or plan.only is not None  # else only the budget limits the loop
+        # the plain decode rows, found for the whole batch at once (valid while no unit leaves it)
+        decode = (self.table.decode_rows(running, self.kv.room)
+                  if running and self._bulk_decode and not checked and not self.look_ahead.drafts else None)
+        num_running = len(running)
         i = 0
         while i < len(running) and plan.budget > 0:
+            if decode is not None and len(running) == num_running and decode[i] and self._take_decode_row(
+                    running[i], plan, decode[i] == ALLOCATE):
+                i += 1
+                continue
             unit = running[i].unit
             n = len(unit.requests)
             if checked and self._batch_full(plan):
@@ -217,6 +231,24 @@ class Scheduler:
             if not result:
                 break  # it preempted itself: nothing after it is running anymore
             i += n
+
+    def _take_decode_row(self, req: Request, plan: StepPlan, allocate: bool) -> bool:
+        """What RequestUnit.schedule_running does for a plain decode row; False when its slot
+        could not be allocated (no room, or the allocation raised): the unit's own path then
+        makes room (or fails it)."""
+        new_block_ids = []
+        if allocate:
+            try:
+                new_block_ids = self.kv.allocate_slots(req, 1)
+            except Exception:
+                return False
+            if new_block_ids is None:
+                return False
+        rid = req.request_id
+        plan.num_scheduled[rid] = 1
+        plan.budget -= 1
+        plan.cached_reqs.append(CachedRequestData(rid, new_block_ids, req.num_computed_tokens))
+        return True
 
     def _admit_waiting(self, plan: StepPlan) -> None:
         set_aside: list[Request] = []
@@ -435,6 +467,7 @@ class Scheduler:
         self.release(req)
         self.look_ahead.forget(req.request_id)
         self.requests.pop(req.request_id, None)
+        self.table.remove(req)
         if self._sent_to_workers.pop(req.request_id, None) is not None:
             self._finished_ids.add(req.request_id)
 
@@ -450,10 +483,23 @@ class Scheduler:
         if so.kv_transfers:  # first: whatever fails below, the tier's loads are accounted for
             self.kv.finish_transfers(so.kv_transfers, runner_output.failed_kv_loads, runner_output.kv_transfer_seconds)
         requests, running = self.requests, RequestStatus.RUNNING
-        for row, rid in enumerate(runner_output.req_ids):
-            req = requests.get(rid)
+        reqs = [requests.get(rid) for rid in runner_output.req_ids]
+        sampled = runner_output.sampled_token_ids
+        quiet = (self.table.quiet_rows(reqs, sampled)
+                 if reqs and not so.num_spec_slots and not runner_output.prompt_logprobs else None)
+        logprobs = runner_output.logprobs
+        for row, req in enumerate(reqs):
             if req is None or (req.status != running and not (req.num_pending and req.status == RequestStatus.PREEMPTED)):
                 continue  # aborted while the step ran (or preempted, its token not awaited: pipeline parallelism)
+            if quiet is not None and quiet[row] and req.status == running:  # a plain row that only appends
+                new_ids = sampled[row]
+                req.output_token_ids.append(new_ids[0])
+                req.all_token_ids.append(new_ids[0])
+                rid, cached = req.request_id, req.num_cached_tokens
+                outputs.append(EngineCoreOutput(rid, new_ids, None, req.stop_reason,
+                                                logprobs.get(rid) if logprobs else None, None,
+                                                cached if cached > 0 else 0, None, req.num_preemptions))
+                continue
             try:  # a failure here is this request's (or beam group's) alone: it finishes with "error"
                 req.unit.on_output(self, so, runner_output, row, outputs)
             except Exception:
@@ -492,6 +538,7 @@ class Scheduler:
             logger.exception("request %s: finishing it after a failure raised too", rid)
             req = self.requests.pop(rid, None)
             if req is not None:
+                self.table.remove(req)
                 req.status = RequestStatus.FINISHED_ERROR
                 self.running[:] = [r for r in self.running if r is not req]
                 if req in self.waiting:

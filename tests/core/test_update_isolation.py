@@ -10,6 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from pagedllm.core.beam_group import BeamGroup, score_key, score_of_key
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request_table import RequestTable
 from pagedllm.core.request import Request
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.sampling_params import SamplingParams
@@ -93,6 +94,8 @@ def test_one_request_raising_in_the_update_fails_only_it(monkeypatch):
         return check(self, req, tok)
 
     monkeypatch.setattr(Scheduler, "check_stop", flaky)
+    # every row through its request's own path (the table clears rows that only append, unchecked)
+    monkeypatch.setattr(RequestTable, "quiet_rows", lambda self, reqs, sampled: [False] * len(reqs))
     finals = _drive(s, FakeRunner(64, 4))
     assert finals["bad"].finish_reason == "error"
     assert finals["a"].finish_reason == finals["c"].finish_reason == "length"
@@ -177,6 +180,8 @@ def test_one_request_raising_while_scheduled_fails_only_it(monkeypatch, where, c
         return original(*args)
 
     monkeypatch.setattr(target, where, flaky)
+    # every row through its unit (the table's plain decode rows are taken in bulk, without send)
+    monkeypatch.setattr(RequestTable, "decode_rows", lambda self, running, room: [False] * len(running))
     finals, scheduled = _drive_collecting_failures(s, FakeRunner(64, 4))
     assert finals["bad"].finish_reason == "error"
     assert finals["a"].finish_reason == finals["c"].finish_reason == "length"

@@ -12,6 +12,7 @@ from prompts import random_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.core.beam_group import BeamGroup
+from pagedllm.core.request_table import RequestTable
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.async_llm import AsyncLLM, RequestFailedError
 from pagedllm.engine.beam_search import BeamSearchParams
@@ -51,6 +52,8 @@ def inject(monkeypatch, where: str) -> None:
     if where == "scheduler_update":
         monkeypatch.setattr(Scheduler, "check_stop",
                             _raise_on_nth(Scheduler.check_stop, lambda self, req, tok: req.request_id.startswith("bad"), 3))
+        # every row through its request's own path (the table clears rows that only append, unchecked)
+        monkeypatch.setattr(RequestTable, "quiet_rows", lambda self, reqs, sampled: [False] * len(reqs))
     elif where == "output_processor":
         monkeypatch.setattr(OutputProcessor, "process",
                             _raise_on_nth(OutputProcessor.process, lambda self, out, now=None: out.req_id.startswith("bad"), 3))
