@@ -22,6 +22,9 @@ BROWSER_PATH_PREFIX = "/dashboard"
 
 
 def is_browser_page(path: str) -> bool:
+    """The dashboard's pages, and on a multi-model server each model's (/models/NAME/dashboard...)."""
+    if path.startswith("/models/"):
+        path = "/" + path.split("/", 3)[-1] if path.count("/") >= 3 else path
     return path == BROWSER_PATH_PREFIX or path.startswith(BROWSER_PATH_PREFIX + "/")
 
 

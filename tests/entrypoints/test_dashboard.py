@@ -83,7 +83,7 @@ def test_behind_the_api_key(dash):
     assert httpx.get(dash.url + "/dashboard", headers={"Authorization": "Basic !!notbase64"}).status_code == 401
     page = httpx.get(dash.url + "/dashboard", headers=basic(KEY))
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert 'src="/dashboard/static/dashboard.js"' in page.text and "http" not in page.text.split("<body>")[1]
+    assert 'src="dashboard/static/dashboard.js"' in page.text and "http" not in page.text.split("<body>")[1]
     csp = page.headers["content-security-policy"]  # own script and style only, never framed
     assert "default-src 'none'" in csp and "script-src 'self'" in csp and "frame-ancestors 'none'" in csp
     assert page.headers["x-frame-options"] == "DENY" and page.headers["x-content-type-options"] == "nosniff"

@@ -48,6 +48,7 @@ class FrontState:
     http_read_timeout: float
     request_timeout: Optional[float]  # --request-timeout: a request's default deadline
     wait_timeout: float  # how long a request without a deadline waits for its model
+    enable_dashboard: bool = False
     client: Any = None  # httpx.AsyncClient to the model servers
     model_name_errors: int = 0
 
@@ -278,4 +279,8 @@ def build_front_app(state: FrontState, transport=None) -> FastAPI:
     app.add_middleware(FrontGuard, state=state)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.include_router(router)
+    if state.enable_dashboard:
+        from pagedllm.entrypoints.multi_model.dashboard import router as dashboard_router
+
+        app.include_router(dashboard_router)
     return app

@@ -31,7 +31,7 @@ MULTI_MODEL_FLAGS = frozenset({"models_dir", "models_config", "models_memory", "
 # the front serves these itself: the children speak plain HTTP to it on 127.0.0.1
 _FRONT_ONLY = frozenset({"ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path",
                          "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
-                         "served_model_name", "kv_cache_memory", "enable_dashboard"})
+                         "served_model_name", "kv_cache_memory"})
 
 
 def model_paths(args: argparse.Namespace) -> list[str]:
@@ -96,7 +96,8 @@ def run_multi_model(args: argparse.Namespace, serve_parser: argparse.ArgumentPar
     manager = ModelManager(entries, settings, launch, client=None)
     state = FrontState(entries=entries, manager=manager, api_key=api_key,
                        max_body_size=args.max_request_body_size or 64 << 20, http_read_timeout=args.http_read_timeout,
-                       request_timeout=args.request_timeout, wait_timeout=args.model_load_timeout)
+                       request_timeout=args.request_timeout, wait_timeout=args.model_load_timeout,
+                       enable_dashboard=args.enable_dashboard)
     app = build_front_app(state)
     logger.info("serving %d models (%s) under a %d MiB budget", len(entries), ", ".join(e.name for e in entries),
                 settings.memory_budget >> 20)

@@ -180,12 +180,18 @@ def test_routing_errors_and_a_stream_through_the_front(models):
 def test_two_models_by_flag_idle_unload_and_the_openai_client(llama_ckpt):
     openai = pytest.importorskip("openai")
     proc, url = _start(["--model", os.path.abspath(SHAKESPEARE), "--model", llama_ckpt, "--served-model-name", "bard",
-                        "llama", "--pin-model", "bard", "--model-idle-timeout", "1", "--kv-cache-memory", "16MiB"])
+                        "llama", "--pin-model", "bard", "--model-idle-timeout", "1", "--kv-cache-memory", "16MiB",
+                        "--enable-dashboard"])
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
         assert {m.id for m in client.models.list().data} == {"bard", "llama"}
         out = client.completions.create(model="llama", prompt="w1 w2", max_tokens=4, temperature=0)
         assert out.model == "llama" and out.choices[0].text
+        page = CLIENT.get(f"{url}/dashboard")  # the models page, and each loaded model's own live page
+        assert page.status_code == 200 and "models.js" in page.text and page.headers["x-frame-options"] == "DENY"
+        snap = CLIENT.get(f"{url}/dashboard/api/models").json()
+        assert {m["name"]: m["pinned"] for m in snap["models"]} == {"bard": True, "llama": False}
+        assert CLIENT.get(f"{url}/models/bard/dashboard/api/state").json()["status"] == "ready"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # llama is unloaded once idle for a second; bard is pinned
             cards = {c["id"]: c for c in CLIENT.get(f"{url}/v1/models").json()["data"]}

@@ -114,7 +114,7 @@
 
   function poll() {
     $("transport").textContent = "polling";
-    fetch("/dashboard/api/state", {credentials: "same-origin", cache: "no-store"})
+    fetch("dashboard/api/state", {credentials: "same-origin", cache: "no-store"})
       .then((r) => { if (!r.ok) throw new Error("HTTP " + r.status); return r.json(); })
       .then(render)
       .catch((e) => { $("status").textContent = "offline (" + e.message + ")"; $("status").className = "status offline"; })
@@ -123,7 +123,7 @@
 
   function stream() {
     if (!window.EventSource) return poll();
-    const es = new EventSource("/dashboard/events");
+    const es = new EventSource("dashboard/events");
     es.onopen = () => { $("transport").textContent = "live (server-sent events)"; };
     es.onmessage = (ev) => render(JSON.parse(ev.data));
     es.onerror = () => { es.close(); if (pollTimer === null) poll(); };
