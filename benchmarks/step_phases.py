@@ -6,7 +6,12 @@ With ``--engine-core-process`` the core runs in its own process (the server's ar
 front end's output processing then overlaps the core's next step instead of adding to it.
 ``--sim-device D``: the simulated device (executor/simulated.py) with at least D seconds a step,
 running the fake token model (``--sim-model fake``: the step is then D plus the host's own
-cost) or the real model on its thread.
+cost), the real model on its thread, or (``--sim-model runner``) the real runner's host work --
+diffs, input preparation, state update, output assembly -- on the host thread with only the
+forward and sampling simulated, e.g. at an H200's decode floors of a 1.1B Llama:
+
+    python benchmarks/step_phases.py --sim-device 0.00069 --sim-model runner --async-scheduling \
+        --prompt-len 8 --output-len 128 --num-requests 256
 
     python benchmarks/step_phases.py --model llama-tiny --num-requests 64
     python benchmarks/step_phases.py --model llama-tiny --num-requests 64 --engine-core-process
@@ -39,8 +44,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128, help="tokens per request with --prompt-len")
     ap.add_argument("--engine-core-process", action="store_true")
     ap.add_argument("--sim-device", type=float, default=None, help="seconds a step at least on a simulated device")
-    ap.add_argument("--sim-model", default="fake", choices=["fake", "real"],
-                    help="on the simulated device: the fake token model (host cost only) or the real model")
+    ap.add_argument("--sim-model", default="fake", choices=["fake", "real", "runner"],
+                    help="on the simulated device: the fake token model (host cost only), the real model, or "
+                         "the real runner's host work with the forward and sampling simulated (what a GPU's host pays)")
     ap.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     ap.add_argument("--out", default="benchmarks/results/step_phases.json")
     args = ap.parse_args()
@@ -53,7 +59,8 @@ def main() -> None:
     if args.sim_device is not None:
         from pagedllm.executor.simulated import SimulatedDevice
 
-        factory = SimulatedDevice(args.sim_device, num_blocks=1 << 15, real=args.sim_model == "real")
+        factory = SimulatedDevice(args.sim_device, num_blocks=1 << 15, real=args.sim_model == "real",
+                                  runner=args.sim_model == "runner")
     config = EngineConfig(model=ensure_model(args.model), dtype=args.dtype, kv_cache_memory=4 << 30,
                           generation_config="vllm", async_scheduling=args.async_scheduling)
     engine = LLMEngine(config, skip_tokenizer_init=True, multiprocess=args.engine_core_process,

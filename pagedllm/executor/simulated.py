@@ -7,7 +7,11 @@ order (as a GPU stream does), each taking at least ``device_seconds`` of the dev
 oldest step's ModelRunnerOutput once it is done. ``execute`` is submit + collect (no overlap).
 
 What a step computes: with ``inner`` (a real executor, e.g. UniprocExecutor) its forward and
-sampling run on the device thread, so outputs are the model's; without, a ``FakeDeviceModel``
+sampling run on the device thread, so outputs are the model's; with ``host_only`` as well (the
+runner mode) the real runner's host work -- diffs, input preparation, state update, output
+assembly -- runs on the submitting thread and only the forward and sampling are the device's
+``device_seconds`` (tokens made from positions): what the host pays per step in front of a GPU;
+without ``inner``, a ``FakeDeviceModel``
 produces tokens as a fixed function of each request's tokens so far (the same whatever the
 batching, so a test can compare schedules exactly without a model).
 
@@ -80,8 +84,9 @@ class SimulatedDeviceExecutor:
     dead_reason: Optional[str] = None
 
     def __init__(self, num_blocks: int, max_model_len: int, device_seconds: float, host_seconds: float = 0.0,
-                 inner=None, vocab_size: int = 1024, max_concurrent_batches: int = 1) -> None:
+                 inner=None, vocab_size: int = 1024, max_concurrent_batches: int = 1, host_only: bool = False) -> None:
         self.inner = inner
+        self.host_only = host_only and inner is not None
         self.max_concurrent_batches = max_concurrent_batches
         self.model = inner if inner is not None else FakeDeviceModel(vocab_size)
         self.num_blocks = inner.num_blocks if inner is not None else num_blocks
@@ -108,10 +113,10 @@ class SimulatedDeviceExecutor:
             item = self._queue.get()
             if item is None:
                 return
-            so, fut, submitted = item
+            so, fut, submitted, out = item
             start = max(submitted, free_at)
             try:
-                out = self.model.execute(so)
+                out = self.model.execute(so) if out is None else out
             except BaseException as e:
                 free_at = time.perf_counter()
                 fut.set_exception(e)
@@ -127,9 +132,10 @@ class SimulatedDeviceExecutor:
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         if self.host_seconds > 0:
             time.sleep(self.host_seconds)  # preparing inputs, launching kernels
+        out = self.inner.execute_host(scheduler_output) if self.host_only else None  # runner mode: on this thread
         fut: Future = Future()
         self._futures.append(fut)
-        self._queue.put((scheduler_output, fut, time.perf_counter()))
+        self._queue.put((scheduler_output, fut, time.perf_counter(), out))
 
     def collect(self) -> ModelRunnerOutput:
         return self._futures.pop(0).result()
@@ -159,20 +165,22 @@ class SimulatedDeviceExecutor:
 @dataclass(frozen=True)
 class SimulatedDevice:
     """A picklable recipe for a SimulatedDeviceExecutor (EngineCore's ``executor_factory``):
-    ``real=True`` runs the model (a UniprocExecutor) on the device thread, else the fake model."""
+    ``real=True`` runs the model (a UniprocExecutor) on the device thread, else the fake model;
+    ``runner=True``: the real runner's host work on the host thread, the device simulated."""
 
     device_seconds: float
     host_seconds: float = 0.0
     num_blocks: int = 1024
     real: bool = False
     max_concurrent_batches: int = 1
+    runner: bool = False
 
     def __call__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> SimulatedDeviceExecutor:
         inner = None
-        if self.real:
+        if self.real or self.runner:
             from pagedllm.executor.uniproc import UniprocExecutor
 
             inner = UniprocExecutor(config, hf_config, max_model_len, max_num_batched_tokens)
         return SimulatedDeviceExecutor(self.num_blocks, max_model_len, self.device_seconds, self.host_seconds,
                                        inner=inner, vocab_size=hf_config.vocab_size,
-                                       max_concurrent_batches=self.max_concurrent_batches)
+                                       max_concurrent_batches=self.max_concurrent_batches, host_only=self.runner)

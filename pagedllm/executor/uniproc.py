@@ -51,6 +51,10 @@ class UniprocExecutor:
             raise RuntimeError("execute() while submitted steps are in flight: collect() them first")
         return self.worker.execute(scheduler_output)
 
+    def execute_host(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The step's host work alone, on the calling thread (executor/simulated.py's runner mode)."""
+        return self.worker.execute_host(scheduler_output)
+
     def idle_work(self, seconds: float) -> bool:
         return self.worker.idle_work(seconds)  # EngineCore calls it only with nothing in flight
 

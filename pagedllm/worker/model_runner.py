@@ -75,6 +75,20 @@ class ModelRunner:
         hidden = self._forward(inputs)
         return self.stage.finish(self, so, inputs, hidden, tier)
 
+    def execute_host(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """The host's part of ``execute`` alone, for a simulated device (executor/simulated.py):
+        diffs, input preparation and the state update and output as a step builds them, with
+        the forward and the sampling replaced by ids made from the positions (plain requests,
+        no drafts)."""
+        tier = self._run_kv_transfers(so)
+        self._apply_diffs(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [], **tier)
+        inputs = self._prepare_inputs(so)
+        self.num_forward_tokens += inputs.num_tokens
+        sampled = ((inputs.seq_lens[inputs.sample_rows] * 7 + 3) % self.vocab_size).tolist()
+        return ModelRunnerOutput(inputs.req_ids, self._update_states(inputs, sampled), **tier)
+
     def emit_tokens(self, so: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor,
                     tier: dict) -> ModelRunnerOutput:
         """The step's tokens, on a stage that samples. ``so.grammar``: the step's structured-output

@@ -404,3 +404,7 @@ class Worker:
         if self.thread_governor is not None:
             self.thread_governor.tick()
         return self.runner.execute(scheduler_output)
+
+    def execute_host(self, scheduler_output):
+        """A step's host work alone (the runner's ``execute_host``: a simulated device runs the rest)."""
+        return self.runner.execute_host(scheduler_output)

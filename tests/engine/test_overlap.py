@@ -196,3 +196,31 @@ def test_simulated_device_runs_queued_steps_back_to_back_on_its_own_clock():
         assert ex.device_busy == pytest.approx(4 * d, rel=1e-6)
     finally:
         ex.shutdown()
+
+
+def test_runner_mode_runs_the_real_runners_host_work_exactly(llama_ckpt):
+    """``SimulatedDevice(runner=True)``: the real runner's diffs, input preparation and state
+    update on the host thread, the forward and sampling simulated (the k-th output of a P-token
+    prompt is ((P + k) * 7 + 3) % vocab): chunked prefill, n > 1, a stop token and max_tokens
+    give exactly those tokens, one step at a time and with async scheduling."""
+    kw = dict(model=llama_ckpt, dtype="float32", kv_cache_memory=4 << 20, max_model_len=128,
+              max_num_batched_tokens=24, enable_chunked_prefill=True)
+    prompts = [[(11 * i + j) % VOCAB for j in range(4 + 5 * (i % 4))] for i in range(6)]
+
+    def token(p: int, k: int) -> int:
+        return ((p + k) * 7 + 3) % VOCAB
+
+    reqs = [(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=9 + i, n=2 if i == 1 else 1, ignore_eos=True,
+                                        stop_token_ids=[token(len(p), 4)] if i == 2 else None))
+            for i, p in enumerate(prompts)]
+    expected = {f"r{i}": [[token(len(p), k) for k in range(5 if i == 2 else 9 + i)]] * (2 if i == 1 else 1)
+                for i, p in enumerate(prompts)}
+    for async_scheduling in (False, True):
+        engine = LLMEngine(EngineConfig(**kw, async_scheduling=async_scheduling), skip_tokenizer_init=True,
+                           executor_factory=SimulatedDevice(0.0, runner=True))
+        try:
+            assert run(engine, reqs) == expected
+            stats = engine.get_stats()
+            assert stats.num_free_blocks == stats.num_total_blocks
+        finally:
+            engine.shutdown()
