@@ -10,7 +10,9 @@ its own process (no separate engine-core process unless asked: the front here al
 off the engine's thread). The children die with this process (``Replicas``' parent pipe).
 
 Each child gets the command line's serve flags, then its own options from --models-config; its
-KV cache is ``--kv-cache-memory`` (per model, or for all), by default an eighth of the budget.
+KV cache is ``--kv-cache-memory`` (per model, or for all), by default an eighth of the budget,
+and is not prefaulted while idle (its pages are taken as requests use them; the budget counts it
+whole from the start).
 """
 from __future__ import annotations
 
@@ -67,8 +69,12 @@ def child_command(entry, port: int, common: list[str], settings: ManagerSettings
     kv = [] if {"--kv-cache-memory"} & own else ["--kv-cache-memory", str(settings.kv_cache_bytes)]
     core = [] if own & {"--engine-core-process", "--no-engine-core-process"} or "--engine-core-process" in common \
         else ["--no-engine-core-process"]
+    # no idle prefault: a model's KV cache then holds memory only as it is used (and the budget counts it whole)
+    given = own | set(common)
+    prefault = [] if {"--cpu-kv-cache-idle-prefault", "--cpu-kv-cache-prefault"} & given \
+        else ["--cpu-kv-cache-idle-prefault", "0"]
     return [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", entry.path, "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", *entry.names, *common, *kv, *core, *entry.flags]
+            "--port", str(port), "--served-model-name", *entry.names, *common, *kv, *core, *prefault, *entry.flags]
 
 
 def run_multi_model(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> int:

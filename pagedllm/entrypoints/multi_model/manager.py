@@ -4,9 +4,10 @@ States: unloaded -> loading -> loaded -> (draining ->) unloading -> unloaded; a 
 (the child exits or never answers /health 200) is ``failed``: its requests get that error, and a
 request after ``retry_failed_s`` tries again.
 
-Memory: each model's footprint is the larger of an estimate (a server process's own memory, its
-weight files' size and its KV cache size) and the most its process tree has been measured to hold
-(PSS). A load starts only when the loaded models' footprints plus the new one's fit in the budget.
+Memory: each model's footprint is, before its first load, an estimate (a server process's own
+memory as measured on the models loaded so far, its weight files' size and its KV cache size);
+after, the most it held while loading plus its whole KV cache; never less than the most its
+process tree has been measured to hold (PSS). A load starts only when the loaded models' footprints plus the new one's fit in the budget.
 To make room, idle models (no request in flight or waiting) are unloaded, least recently used
 first; if that is not enough, least recently used busy ones are *drained*: they take no new
 request, finish the ones in flight, then unload (a request is never cut by an unload). Pinned
@@ -82,6 +83,7 @@ class ServedModel:
         self.weight_bytes = entry.weight_bytes()
         self.memory_bytes = 0  # measured now (PSS of the process tree)
         self.measured_peak = 0  # the most it was measured to hold, over all its loads
+        self.load_peak = 0  # the most it held up to being ready (weights, runtime; KV pages barely touched)
         self.max_model_len: Optional[int] = None
         self.error: Optional[str] = None
         self.failed_at = 0.0
@@ -99,7 +101,11 @@ class ServedModel:
         return runtime_bytes + self.weight_bytes + self.kv_cache_bytes
 
     def footprint(self, runtime_bytes: int) -> int:
-        return max(self.estimate(runtime_bytes), self.measured_peak)
+        """What the budget counts for this model: once it has loaded, the most it held while loading
+        plus its whole KV cache (whose pages it takes as requests use them); before, the estimate;
+        never less than the most it was measured to hold."""
+        counted = self.load_peak + self.kv_cache_bytes if self.load_peak else self.estimate(runtime_bytes)
+        return max(counted, self.measured_peak)
 
     def idle(self) -> bool:
         return self.state is ModelState.LOADED and self.in_flight == 0 and self.waiting == 0 and not self.entry.pinned
@@ -269,6 +275,7 @@ class ModelManager:
         except Exception as e:  # noqa: BLE001 (a launch that fails is that model's failure only)
             return self._failed(m, f"{type(e).__name__}: {e}")
         deadline = t0 + self.settings.load_timeout_s
+        load_peak = 0
         while True:
             if m.process.exited() is not None:
                 summary = await asyncio.to_thread(m.process.error_summary)
@@ -278,6 +285,8 @@ class ModelManager:
                     break
             except httpx.HTTPError:
                 pass
+            m.memory_bytes = await asyncio.to_thread(m.process.memory_bytes)  # loading can peak above serving
+            load_peak = max(load_peak, m.memory_bytes)
             if time.monotonic() > deadline:
                 await asyncio.to_thread(m.process.stop, 5.0)
                 return self._failed(m, f"it was not ready within --model-load-timeout {self.settings.load_timeout_s:g} s")
@@ -285,8 +294,9 @@ class ModelManager:
         m.max_model_len = await self._max_model_len(m)
         seconds = time.monotonic() - t0
         m.memory_bytes = await asyncio.to_thread(m.process.memory_bytes)
-        m.measured_peak = max(m.measured_peak, m.memory_bytes)
-        runtime = max(0, m.memory_bytes - m.weight_bytes)
+        m.load_peak = max(load_peak, m.memory_bytes)
+        m.measured_peak = max(m.measured_peak, m.load_peak)
+        runtime = max(0, m.load_peak - m.weight_bytes)  # a server process's own share (for models not loaded yet)
         self._measured_runtime = max(self._measured_runtime or 0, runtime)
         m.state, m.error, m.unservable = ModelState.LOADED, None, None
         m.loads += 1

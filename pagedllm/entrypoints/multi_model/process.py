@@ -31,7 +31,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _pss_bytes(pid: int) -> int:
+def pss_bytes(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
@@ -57,7 +57,7 @@ def tree_memory_bytes(pid: int) -> int:
         if p in seen:
             continue
         seen.add(p)
-        total += _pss_bytes(p)
+        total += pss_bytes(p)
         todo += _children(p)
     return total
 
