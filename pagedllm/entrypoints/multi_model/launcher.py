@@ -105,6 +105,12 @@ def run_multi_model(args: argparse.Namespace, serve_parser: argparse.ArgumentPar
                        request_timeout=args.request_timeout, wait_timeout=args.model_load_timeout,
                        enable_dashboard=args.enable_dashboard)
     app = build_front_app(state)
+    if args.allowed_origins:  # outermost: a browser's preflight needs no API key
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(args.allowed_origins),
+                           allow_methods=list(args.allowed_methods or ("*",)),
+                           allow_headers=list(args.allowed_headers or ("*",)), allow_credentials=args.allow_credentials)
     logger.info("serving %d models (%s) under a %d MiB budget", len(entries), ", ".join(e.name for e in entries),
                 settings.memory_budget >> 20)
 
@@ -119,7 +125,8 @@ def run_multi_model(args: argparse.Namespace, serve_parser: argparse.ArgumentPar
            if getattr(args, k, None) is not None}
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=5,
                                     timeout_graceful_shutdown=args.shutdown_timeout + 10, loop=event_loop("auto"),
-                                    http=http_protocol("auto", args.http_read_timeout), **ssl))
+                                    http=http_protocol("auto", args.http_read_timeout), root_path=args.root_path or "",
+                                    **ssl))
     if not args.stop_requested():
         server.run(sockets=[sock])
     return 0
