@@ -161,7 +161,7 @@ class BeamUnit:
         except Exception:
             for c in children:  # their forked block references go back before the group fails
                 sched.kv.free(c)
-                sched.requests.pop(c.request_id, None)
+                sched.unregister(c)
             raise
         old = group.beams
         sched.replace_running(old, children)
@@ -176,7 +176,7 @@ class BeamUnit:
         for b in group.beams:
             b.status = status or RequestStatus.FINISHED_STOPPED
             sched.retire(b, uncache=status == RequestStatus.FINISHED_ERROR)
-        sched.beam_groups.pop(group.group_id, None)
+        sched.forget_group(group.group_id)
         group.done = True
         results = group.results() if status != RequestStatus.FINISHED_ERROR else []  # the failure path scores nothing
         reason = results[0].finish_reason if status is None and results else None

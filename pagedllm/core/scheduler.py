@@ -151,6 +151,33 @@ class Scheduler:
         if request.deadline is not None:
             self.deadlines.add(request.request_id, request.deadline)
 
+    # ---- steps in flight (the engine core tells; the scheduler writes its own state) --------
+    def mark_pending(self, so: SchedulerOutput) -> list[Request]:
+        """Async scheduling submitted ``so``: its requests that sample have one more token in
+        flight (``Request.num_pending``) until ``settle_pending``; returns them."""
+        requests, sampling = self.requests, []
+        for rid in so.num_scheduled_tokens:
+            req = requests[rid]
+            if req.num_computed_tokens >= req.num_tokens + req.num_pending:
+                req.num_pending += 1
+                sampling.append(req)
+        return sampling
+
+    @staticmethod
+    def settle_pending(sampling: list[Request], all_of_them: bool = False) -> None:
+        """Their step's output is applied (``all_of_them``: the steps in flight were abandoned)."""
+        for req in sampling:
+            req.num_pending = 0 if all_of_them else req.num_pending - 1
+
+    def batch_submitted(self, so: SchedulerOutput) -> None:
+        """A micro-batch is in flight (pipeline stages): its requests wait for its output."""
+        if self._pipeline is not None:
+            self._pipeline.in_flight.update(so.num_scheduled_tokens)
+
+    def batch_returned(self, so: SchedulerOutput) -> None:
+        if self._pipeline is not None:
+            self._pipeline.in_flight.difference_update(so.num_scheduled_tokens)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._failed)
 
@@ -415,6 +442,13 @@ class Scheduler:
 
     def register(self, req: Request) -> None:
         self.requests[req.request_id] = req
+
+    def unregister(self, req: Request) -> None:
+        """A sequence that never ran leaves the table (a beam fork that failed half way)."""
+        self.requests.pop(req.request_id, None)
+
+    def forget_group(self, group_id: str) -> None:
+        self.beam_groups.pop(group_id, None)
 
     def new_request_data(self, req: Request) -> NewRequestData:
         # num_computed_tokens here is the value BEFORE this step's tokens are added.

@@ -89,6 +89,13 @@ class BeamRequests:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.requests
 
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def drop(self, request_id: str) -> None:
+        """Forget a search that never reached the core."""
+        self.requests.pop(request_id, None)
+
     def finish(self, out: EngineCoreOutput) -> RequestOutput:
         """The group's final output (its hypotheses, best first); the request is forgotten."""
         br = self.requests.pop(out.req_id)

@@ -224,7 +224,7 @@ class EngineCore:
             so = self.scheduler.schedule()
             self._mark(0)
             if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids or so.kv_transfers:
-                sampling = self._mark_pending(so)
+                sampling = self.scheduler.mark_pending(so)
                 self.executor.submit(so)
                 self._mark(1)
                 queue.append((so, sampling))
@@ -238,16 +238,6 @@ class EngineCore:
         structured = self.structured
         return not self.scheduler.beam_groups and not (structured is not None and structured.manager.matchers)
 
-    def _mark_pending(self, so) -> list[Request]:
-        """The step's requests that sample (their token is then pending until its output is back)."""
-        requests, sampling = self.scheduler.requests, []
-        for rid in so.num_scheduled_tokens:
-            req = requests[rid]
-            if req.num_computed_tokens >= req.num_tokens + req.num_pending:
-                req.num_pending += 1
-                sampling.append(req)
-        return sampling
-
     def _collect_async(self) -> list[EngineCoreOutput]:
         so, sampling = self._batch_queue.popleft()
         try:
@@ -260,8 +250,7 @@ class EngineCore:
             return self._recover_async(so, sampling)
         self._mark(1)
         outputs = self._update(so, runner_output)
-        for req in sampling:
-            req.num_pending -= 1
+        self.scheduler.settle_pending(sampling)
         self._mark(2)
         return outputs
 
@@ -276,8 +265,7 @@ class EngineCore:
             except Exception:
                 pass  # the failure is the first step's; these are redone
         for reqs in [sampling] + [s for _, s in later]:
-            for req in reqs:
-                req.num_pending = 0
+            self.scheduler.settle_pending(reqs, all_of_them=True)
         for so, _ in reversed(later):
             self.scheduler.rewind(so)
         self._mark(1)
@@ -296,7 +284,7 @@ class EngineCore:
                 self.executor.submit(so)
                 self._mark(1)
                 queue.append(so)
-                self.scheduler.in_flight.update(so.num_scheduled_tokens)
+                self.scheduler.batch_submitted(so)
                 if so.num_scheduled_tokens and len(queue) < self.batch_depth:
                     return []  # room for another batch: its output is collected later
         if not queue:
@@ -304,7 +292,7 @@ class EngineCore:
         so = queue.popleft()
         runner_output = self.executor.collect()
         self._mark(1)
-        self.scheduler.in_flight.difference_update(so.num_scheduled_tokens)
+        self.scheduler.batch_returned(so)
         outputs = self._update(so, runner_output)
         self._mark(2)
         return outputs

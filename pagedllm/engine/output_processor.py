@@ -92,7 +92,7 @@ class OutputProcessor:
         return request_id in self.parents or request_id in self.beams
 
     def num_unfinished(self) -> int:
-        return len(self.parents) + len(self.beams.requests)
+        return len(self.parents) + len(self.beams)
 
     def add_parent(self, req: EngineCoreRequest, prompt: Optional[str], output_kind: str,
                    best_of: Optional[SamplingParams]) -> None:
@@ -116,7 +116,7 @@ class OutputProcessor:
         parent = self.parents.pop(request_id, None)
         for cid in parent.child_ids if parent is not None else ():
             self.remove(cid)
-        self.beams.requests.pop(request_id, None)
+        self.beams.drop(request_id)
 
     def core_ids(self, request_id: str) -> list[str]:
         """The core's request ids of a request (its children, or its beam group)."""
