@@ -6,8 +6,8 @@ request after ``retry_failed_s`` tries again.
 
 Memory: each model's footprint is, before its first load, an estimate (a server process's own
 memory as measured on the models loaded so far, its weight files' size and its KV cache size);
-after, the most it held while loading plus its whole KV cache; never less than the most its
-process tree has been measured to hold (PSS). A load starts only when the loaded models' footprints plus the new one's fit in the budget.
+after, what it held once ready plus its whole KV cache; while loaded, never less than the most
+its process tree has been measured to hold while serving this time (PSS). A load starts only when the loaded models' footprints plus the new one's fit in the budget.
 To make room, idle models (no request in flight or waiting) are unloaded, least recently used
 first; if that is not enough, least recently used busy ones are *drained*: they take no new
 request, finish the ones in flight, then unload (a request is never cut by an unload). Pinned
@@ -82,8 +82,8 @@ class ServedModel:
         self.kv_cache_bytes = kv_cache_bytes
         self.weight_bytes = entry.weight_bytes()
         self.memory_bytes = 0  # measured now (PSS of the process tree)
-        self.measured_peak = 0  # the most it was measured to hold, over all its loads
-        self.load_peak = 0  # the most it held up to being ready (weights, runtime; KV pages barely touched)
+        self.measured_peak = 0  # the most it was measured to hold while serving, this load
+        self.load_peak = 0  # what it held once ready (weights, runtime; KV pages barely touched yet), over its loads
         self.max_model_len: Optional[int] = None
         self.error: Optional[str] = None
         self.failed_at = 0.0
@@ -101,8 +101,8 @@ class ServedModel:
         return runtime_bytes + self.weight_bytes + self.kv_cache_bytes
 
     def footprint(self, runtime_bytes: int) -> int:
-        """What the budget counts for this model: once it has loaded, the most it held while loading
-        plus its whole KV cache (whose pages it takes as requests use them); before, the estimate;
+        """What the budget counts for this model: once it has loaded, what it held when ready plus
+        its whole KV cache (whose pages it takes as requests use them); before, the estimate;
         never less than the most it was measured to hold."""
         counted = self.load_peak + self.kv_cache_bytes if self.load_peak else self.estimate(runtime_bytes)
         return max(counted, self.measured_peak)
@@ -275,7 +275,6 @@ class ModelManager:
         except Exception as e:  # noqa: BLE001 (a launch that fails is that model's failure only)
             return self._failed(m, f"{type(e).__name__}: {e}")
         deadline = t0 + self.settings.load_timeout_s
-        load_peak = 0
         while True:
             if m.process.exited() is not None:
                 summary = await asyncio.to_thread(m.process.error_summary)
@@ -285,8 +284,9 @@ class ModelManager:
                     break
             except httpx.HTTPError:
                 pass
-            m.memory_bytes = await asyncio.to_thread(m.process.memory_bytes)  # loading can peak above serving
-            load_peak = max(load_peak, m.memory_bytes)
+            # what it holds while loading is shown, not counted: a one-off (a first start building the
+            # CPU kernels runs a compiler in its tree) must not count against the model for good
+            m.memory_bytes = await asyncio.to_thread(m.process.memory_bytes)
             if time.monotonic() > deadline:
                 await asyncio.to_thread(m.process.stop, 5.0)
                 return self._failed(m, f"it was not ready within --model-load-timeout {self.settings.load_timeout_s:g} s")
@@ -294,7 +294,7 @@ class ModelManager:
         m.max_model_len = await self._max_model_len(m)
         seconds = time.monotonic() - t0
         m.memory_bytes = await asyncio.to_thread(m.process.memory_bytes)
-        m.load_peak = max(load_peak, m.memory_bytes)
+        m.load_peak = max(m.load_peak, m.memory_bytes)
         m.measured_peak = max(m.measured_peak, m.load_peak)
         runtime = max(0, m.load_peak - m.weight_bytes)  # a server process's own share (for models not loaded yet)
         self._measured_runtime = max(self._measured_runtime or 0, runtime)
@@ -329,6 +329,7 @@ class ModelManager:
         if proc is not None:
             await asyncio.to_thread(proc.stop, self.settings.stop_timeout_s)
         m.state, m.process, m.url, m.memory_bytes = ModelState.UNLOADED, None, None, 0
+        m.measured_peak = 0  # its next load is judged by what it held once ready (load_peak), not by this one's peaks
         m.unloads[reason] += 1
         logger.info("model %s: unloaded (%s) in %.2f s", m.name, reason, time.monotonic() - t0)
         self._notify()
@@ -347,7 +348,8 @@ class ModelManager:
         sizes = await asyncio.to_thread(lambda: [m.process.memory_bytes() if m.process else 0 for m in live])
         for m, size in zip(live, sizes):
             m.memory_bytes = size
-            m.measured_peak = max(m.measured_peak, size)
+            if m.state in (ModelState.LOADED, ModelState.DRAINING):  # serving (a load's transients aside)
+                m.measured_peak = max(m.measured_peak, size)
         self.peak_total = max(self.peak_total, self.measured_total())
         now = time.monotonic()
         for m in list(self.models.values()):
