@@ -8,7 +8,8 @@ request, written once at admission and read as array operations:
 - ``token_cap``: the token count at which it finishes by length (``max_tokens`` outputs or
   ``max_model_len`` tokens, whichever comes first);
 - ``stop_from``: the token count from which a stop token ends it (``min_tokens`` outputs);
-- ``stop_ids``: its stop token ids (EOS included unless ``ignore_eos``), padded with -1.
+- ``stop_ids``: its stop token ids (EOS included unless ``ignore_eos``), padded with -1; a request
+  with more than MAX_STOP_COLUMNS of them is not ``listed`` (its rows take its own path).
 
 The scheduler's decode rows are then found, and their sampled tokens stop-checked, for the whole
 batch at once (``decode_rows``, ``quiet_rows``); a row the arrays cannot clear takes the request's
@@ -21,6 +22,8 @@ import numpy as np
 from pagedllm.core.request import Request
 
 UNIT_PATH, NO_ALLOCATION, ALLOCATE = 0, 1, 2  # decode_rows' verdicts
+MAX_STOP_COLUMNS = 32
+_NEVER = 1 << 62  # a count no request reaches (min_tokens beyond it cannot matter)
 
 
 class RequestTable:
@@ -29,6 +32,7 @@ class RequestTable:
         self.token_cap = np.zeros(0, dtype=np.int64)
         self.stop_from = np.zeros(0, dtype=np.int64)
         self.stop_ids = np.full((0, 1), -1, dtype=np.int64)
+        self.listed = np.zeros(0, dtype=bool)
         self._grow(capacity)
 
     @property
@@ -43,6 +47,7 @@ class RequestTable:
         old = self.capacity
         self.token_cap = np.concatenate([self.token_cap, np.zeros(capacity - old, dtype=np.int64)])
         self.stop_from = np.concatenate([self.stop_from, np.zeros(capacity - old, dtype=np.int64)])
+        self.listed = np.concatenate([self.listed, np.zeros(capacity - old, dtype=bool)])
         self.stop_ids = np.concatenate(
             [self.stop_ids, np.full((capacity - old, self.stop_ids.shape[1]), -1, dtype=np.int64)])
         self._free.extend(range(capacity - 1, old - 1, -1))  # the lowest slot is taken first
@@ -54,9 +59,12 @@ class RequestTable:
         slot = self._free.pop()
         num_prompt = req.num_prompt_tokens
         sp = req.sampling_params
-        self.token_cap[slot] = min(num_prompt + req.max_tokens, max_model_len)
-        self.stop_from[slot] = num_prompt + sp.min_tokens
-        stops = sorted(sp.all_stop_token_ids)
+        self.token_cap[slot] = min(num_prompt + req.max_tokens, max_model_len, _NEVER)
+        self.stop_from[slot] = min(num_prompt + sp.min_tokens, _NEVER)
+        stops = sorted(t for t in sp.all_stop_token_ids if 0 <= t < _NEVER)  # others match no token
+        self.listed[slot] = len(stops) <= MAX_STOP_COLUMNS
+        if not self.listed[slot]:
+            stops = []
         if len(stops) > self.stop_ids.shape[1]:
             wider = np.full((self.capacity, len(stops)), -1, dtype=np.int64)
             wider[:, : self.stop_ids.shape[1]] = self.stop_ids
@@ -97,5 +105,5 @@ class RequestTable:
         toks = np.fromiter((s[0] if len(s) == 1 else -2 for s in sampled), dtype=np.int64, count=n)
         s = np.maximum(slots, 0)
         stops = (self.stop_ids[s] == toks[:, None]).any(axis=1) & (after >= self.stop_from[s])
-        ok = (slots >= 0) & (toks >= 0) & (after < self.token_cap[s]) & ~stops
+        ok = (slots >= 0) & self.listed[s] & (toks >= 0) & (after < self.token_cap[s]) & ~stops
         return ok.tolist()
