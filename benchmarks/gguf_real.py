@@ -18,6 +18,9 @@ count (``--threads``, default 2) and greedy decoding:
   output tokens / s (llama-cpp-python runs one sequence at a time, so its row is that).
 - ``rss``: resident MiB after loading the model, and after the bare import of the engine.
 
+Engine ``pagedllm-f32act`` is pagedllm with its quantized products kept on float32 activations
+(the kernels' int16-activation path switched off), to measure that path beside the default.
+
 ``--fidelity``: HF's greedy answers (32 tokens) to 8 chat questions are fed back as prompts and
 read with ``prompt_logprobs`` (llama.cpp: ``logits_all``): the share of positions where the
 engine's top-1 is HF's top-1 on the same tokens, the positions where they differ while HF's top-2 margin is >= 0.5
@@ -74,10 +77,14 @@ def child_pagedllm(args) -> dict:
     llm = LLM(model=args.model, cpu_threads=args.threads, enable_prefix_caching=False)
     load_s = time.perf_counter() - t0
     loaded = rss_mib()
+    if args.child == "pagedllm-f32act":
+        from pagedllm.kernels import cpu as cpu_kernels
+
+        cpu_kernels.ready().int16_activations(False)
     greedy = dict(temperature=0.0, ignore_eos=True)
     llm.generate(prompt_token_ids=[random_ids(8, 1)], sampling_params=SamplingParams(max_tokens=16, **greedy),
                  use_tqdm=False)  # warm-up
-    out = {"engine": "pagedllm", "load_s": load_s, "rss_import_mib": imported, "rss_mib": loaded}
+    out = {"engine": args.child, "load_s": load_s, "rss_import_mib": imported, "rss_mib": loaded}
     t = time.perf_counter()
     llm.generate(prompt_token_ids=[random_ids(8, 2)], sampling_params=SamplingParams(max_tokens=DECODE_TOKENS, **greedy),
                  use_tqdm=False)
@@ -277,7 +284,7 @@ def main() -> int:
             return 2
     if args.child:
         ref = json.loads(sys.stdin.read()) if args.child.startswith("fidelity-") and args.child != "fidelity-hf" else None
-        fn = {"pagedllm": child_pagedllm, "hf-fp32": child_hf, "llama.cpp": child_llamacpp,
+        fn = {"pagedllm": child_pagedllm, "pagedllm-f32act": child_pagedllm, "hf-fp32": child_hf, "llama.cpp": child_llamacpp,
               "fidelity-hf": child_fidelity_hf}.get(args.child)
         if fn is not None:
             res = fn(args)
@@ -290,7 +297,8 @@ def main() -> int:
     sys.path.insert(0, HERE)
     from common import cpu_info, print_table, start_neighbours, stop_neighbours, write_json
 
-    pythons = {"pagedllm": sys.executable, "hf-fp32": sys.executable, "llama.cpp": args.llamacpp_python}
+    pythons = {"pagedllm": sys.executable, "pagedllm-f32act": sys.executable, "hf-fp32": sys.executable,
+               "llama.cpp": args.llamacpp_python}
     engines = [e for e in args.engines.split(",") if pythons.get(e)]
     rows = []
     neighbours = start_neighbours(args.neighbours) if args.neighbours else []

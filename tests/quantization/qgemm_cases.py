@@ -55,3 +55,36 @@ def int8_act_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     s = torch.where(s > 0, s, torch.ones_like(s))
     q = torch.round(x / s).clamp(-127, 127).double()
     return (q @ qw.dequantize().double().t()) * s.double()
+
+
+def chunks(k: int, group: int) -> list:
+    """The kernels' chunks of K (quant_gemm.h): each group, cut into pieces of at most 256 k."""
+    return [(c, min(c + 256, g + group)) for g in range(0, k, group) for c in range(g, g + group, 256)]
+
+
+def int16_rounded(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """float32 x as the int16 path multiplies it (quant_gemm_i16.h), written from the definition:
+    in the weight's column order, per row and chunk s = absmax / 32767 (1 for a chunk of zeros),
+    q = round-half-even(x / s); returned as s * q in x's own column order."""
+    perm = qw.input_perm
+    xp = x.float() if perm is None else x.float()[:, perm]
+    out = torch.empty_like(xp)
+    for a, b in chunks(xp.shape[1], qw.group_size):
+        seg = xp[:, a:b]
+        s = seg.abs().amax(dim=1, keepdim=True) / 32767.0
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        out[:, a:b] = (torch.round(seg / s).clamp(-32767, 32767).double() * s.double()).float()
+    if perm is None:
+        return out
+    back = torch.empty_like(out)
+    back[:, perm] = out
+    return back
+
+
+def kernel_input(x: torch.Tensor, qw: QuantizedWeight, kernels) -> torch.Tensor:
+    """What the kernels multiply for x: int16_rounded(x) where they take the int16 path (float32
+    x, int4 / int8 codes, an even group size, a CPU with AVX512-VNNI and VBMI), else x."""
+    if (x.dtype == torch.float32 and qw.kind in ("int4", "int8") and qw.group_size % 2 == 0
+            and qw.act_quant is None and kernels.int16_activations()):
+        return int16_rounded(x, qw)
+    return x

@@ -6,7 +6,8 @@ scales applied per group); bf16 outputs additionally one bf16 rounding of the re
 relative). Shapes: odd M, M past the 4-row direct microkernel (batches take the blocked path:
 codes widened once per chunk, bf16 x multiplied with vdpbf16ps where the build has it), N not a
 multiple of the 16-row panel or of the 2-, 3- and 4-panel tasks, groups of 32 / 64 / 128 / K (K
-summed in chunks of 256), act-order, asymmetric zero points."""
+summed in chunks of 256), act-order, asymmetric zero points. Where float32 x takes the int16 path
+(quant_gemm_i16.h) the reference multiplies x as that path rounds it (test_qgemm_cpu_int16.py)."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from pagedllm.kernels import cpu as cpu_kernels
 from pagedllm.kernels import isa
 from pagedllm.quantization import packed_qweight, qgemm
-from qgemm_cases import int8_act_reference, random_input, random_qweight, reference
+from qgemm_cases import int8_act_reference, kernel_input, random_input, random_qweight, reference
 from kernel_levels import kernels_at_level
 
 LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
@@ -48,7 +49,7 @@ def test_weight_only(level_kernels, kind, group, asym, perm):
             bias = torch.randn(n) if m % 2 else None
             y = qgemm.quantized_linear(x, pw, bias)
             assert y.dtype == dtype and y.shape == (m, n)
-            check_close(y, reference(x, qw, bias), x, qw, dtype)
+            check_close(y, reference(kernel_input(x, qw, level_kernels), qw, bias), x, qw, dtype)
 
 
 @pytest.mark.parametrize("act_quant", ["fp8_per_token", "fp8_per_tensor"])
@@ -111,7 +112,8 @@ def test_threads_and_leading_dims(kernels):
     finally:
         torch.set_num_threads(threads)
     assert want.shape == (3, 4, 77)
-    check_close(want.reshape(12, 77), reference(x.reshape(12, 128), qw), x.reshape(12, 128), qw, torch.float32)
+    x2 = x.reshape(12, 128)
+    check_close(want.reshape(12, 77), reference(kernel_input(x2, qw, kernels), qw), x2, qw, torch.float32)
 
 
 def test_bad_inputs_refused(kernels):

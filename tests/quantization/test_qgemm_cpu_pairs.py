@@ -11,18 +11,18 @@ act-order, N not a multiple of the 16-row panel or of the 3-panel tasks, M = 1 (
 (the direct microkernel), and 5, 16, 17 (blocked: one and more 8-row tiles, a row tail). On
 other builds (avx512 without BF16, avx2, scalar) the same cases check the float32 paths.
 Tolerance: 1e-5 of sum |x||w| (float32 sums of exact products), plus one bf16 rounding of the
-result for bf16 outputs."""
+result for bf16 outputs; float32 x on the int16 path (quant_gemm_i16.h) against x as it rounds it."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from pagedllm.quantization import packed_qweight, qgemm
-from qgemm_cases import random_input, random_qweight, reference
+from qgemm_cases import kernel_input, random_input, random_qweight, reference
 
 
-def assert_close(y, x, qw, bias):
-    ref = reference(x, qw, bias)
+def assert_close(y, x, qw, bias, kernels):
+    ref = reference(kernel_input(x, qw, kernels), qw, bias)
     bound = (x.double().abs() @ qw.dequantize().double().abs().t()) * 1e-5 + 1e-6
     if y.dtype == torch.bfloat16:
         bound = bound + ref.abs() * 2.0**-8
@@ -43,7 +43,7 @@ def test_pair_paths_match_the_dequantized_product(kernels, kind, k, group, asym)
             x = random_input(m, k, dtype, seed=m + k)
             y = qgemm.quantized_linear(x, pw, bias)
             assert y.dtype == dtype and y.shape == (m, n)
-            assert_close(y, x, qw, bias)
+            assert_close(y, x, qw, bias, kernels)
 
 
 def test_decode_row_matches_the_same_row_in_a_batch(kernels):
@@ -56,7 +56,7 @@ def test_decode_row_matches_the_same_row_in_a_batch(kernels):
     for i in (0, 7, 15):
         row = qgemm.quantized_linear(x[i:i + 1], pw).float()
         torch.testing.assert_close(row[0], batch[i], rtol=2.0**-7, atol=1e-3)
-    assert_close(qgemm.quantized_linear(x[:1], pw), x[:1], qw, None)
+    assert_close(qgemm.quantized_linear(x[:1], pw), x[:1], qw, None, kernels)
 
 
 @pytest.mark.parametrize("kind,group,asym", [("int4", 128, False), ("int4", 20, True), ("int4", 24, False),
@@ -74,7 +74,7 @@ def test_decode_panel_ranges_on_two_threads(kernels, kind, group, asym):
         for dtype in (torch.bfloat16, torch.float32):
             x = random_input(1, k, dtype, seed=5)
             bias = torch.randn(n)
-            assert_close(qgemm.quantized_linear(x, pw, bias), x, qw, bias)
+            assert_close(qgemm.quantized_linear(x, pw, bias), x, qw, bias, kernels)
     finally:
         torch.set_num_threads(threads)
 
@@ -91,6 +91,6 @@ def test_symmetric_int4_streams_no_zero_points(kernels):
         assert torch.equal(pw.dequantize(), qw.dequantize())
         for m in (1, 3, 9):
             x = random_input(m, 256, torch.bfloat16, seed=m)
-            assert_close(qgemm.quantized_linear(x, pw), x, qw, None)
+            assert_close(qgemm.quantized_linear(x, pw), x, qw, None, kernels)
     asym = random_qweight("int4", 40, 256, 64, asym=True, seed=2)
     assert packed_qweight.pack(asym, kernels).zeros is not None

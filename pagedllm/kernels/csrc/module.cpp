@@ -78,6 +78,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias") = py::none(), py::arg("vnni") = true,
         "W8A8 y = x W^T (+ bias): per-row int8 activations, exact int32 group sums (vpdpbusd where the CPU has it)");
   m.def("int8_dot_vnni", &int8_dot_vnni, "whether quant_linear_i8 uses AVX512-VNNI here");
+  m.def("int16_activations", &int16_activations, py::arg("on") = py::none(),
+        "whether quant_linear quantizes float32 x to int16 for vpdpwssd here (on: switch it first, process-wide)");
   m.def("gguf_linear", &gguf_linear, py::arg("out"), py::arg("x"), py::arg("w"), py::arg("qtype"),
         "out[M, N] = x[M, K] W^T with W uint8 [N, row_bytes] in a GGUF block type (ggml type id), dequantized in registers");
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("w"), py::arg("qtype"), py::arg("rows"), py::arg("k"),

@@ -46,7 +46,7 @@ void argmax_rows(Tensor out, Tensor logits);
 void sample_rows(Tensor out, Tensor logits, Tensor temperature, Tensor uniforms);
 void apply_token_bitmask(Tensor logits, Tensor rows, Tensor bitmask);
 
-// quant_gemm.cpp (quantized weights: quant_gemm.h, quant_gemm_i8.h)
+// quant_gemm.cpp (quantized weights: quant_gemm.h, quant_gemm_i16.h, quant_gemm_i8.h)
 Tensor pack_quantized_weight(Tensor qweight);
 Tensor quant_linear(Tensor x, Tensor packed, int64_t kind, Tensor scales, std::optional<Tensor> zeros,
                     int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias);
@@ -54,6 +54,7 @@ Tensor quant_linear_i8(Tensor x, Tensor packed, Tensor scales, std::optional<Ten
                        int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias,
                        bool vnni);
 bool int8_dot_vnni();
+bool int16_activations(std::optional<bool> on);
 
 // gguf_gemm.cpp (GGUF block formats kept packed: gguf_gemm.h)
 void gguf_linear(Tensor out, Tensor x, Tensor w, int64_t qtype);

@@ -1,5 +1,5 @@
-// Translation unit of the quantized-weight matmuls (quant_gemm.h: weight-only int8 / int4 / fp8;
-// quant_gemm_i8.h: W8A8).
+// Translation unit of the quantized-weight matmuls (quant_gemm.h: weight-only int8 / int4 / fp8,
+// quant_gemm_i16.h: with int16 activations; quant_gemm_i8.h: W8A8).
 #include "ops.h"
 #include "quant_gemm_i8.h"  // includes quant_gemm.h
 
@@ -20,6 +20,11 @@ Tensor quant_linear_i8(Tensor x, Tensor packed, Tensor scales, std::optional<Ten
 }
 
 bool int8_dot_vnni() { return pagedllm::int8_dot_path_vnni(); }
+
+bool int16_activations(std::optional<bool> on) {
+  if (on.has_value()) pagedllm::qgemm::set_int16_activations(*on);
+  return pagedllm::qgemm::int16_path(pagedllm::qgemm::kInt4, 2);
+}
 
 }  // namespace ops
 }  // namespace pagedllm

@@ -79,6 +79,10 @@ struct Weights {  // one prepared weight (see the top of the file)
   int64_t chunks() const { return G * chunks_per_group(); }
   int64_t chunk_begin(int64_t c) const { return qgemm::chunk_begin(gs, c); }
   int64_t chunk_end(int64_t c) const { return qgemm::chunk_end(gs, c); }
+  // Panel p's codes, and its scales and zero points ([G, 16] each; zero points null when absent).
+  const uint8_t* codes(int64_t p) const { return packed + p * panel_bytes(); }
+  const float* scales(int64_t p) const { return sc + p * G * 16; }
+  const float* zeros(int64_t p) const { return zp != nullptr ? zp + p * G * 16 : nullptr; }
 };
 
 #ifdef PAGEDLLM_AVX512
@@ -362,10 +366,10 @@ __attribute__((target("avx512vbmi"))) void panel1_int4_dp(const Weights& w, int6
   const __m512i i0 = _mm512_load_si512(ix.idx[0]), i1 = _mm512_load_si512(ix.idx[1]);
   const __m512i i2 = _mm512_load_si512(ix.idx[2]), i3 = _mm512_load_si512(ix.idx[3]);
   constexpr __mmask64 even = 0x5555555555555555ULL;
-  const int64_t pb = w.panel_bytes(), G = w.G, C = w.chunks();
-  const uint8_t* base = w.packed + p * pb;
-  const float* sc = w.sc + p * G * kPanel;
-  const float* zp = w.zp != nullptr ? w.zp + p * G * kPanel : nullptr;
+  const int64_t C = w.chunks();
+  const uint8_t* base = w.codes(p);
+  const float* sc = w.scales(p);
+  const float* zp = w.zeros(p);
 #define pairs(v, s, idx) (__m512bh) _mm512_permutexvar_epi16(_mm512_maskz_permutex2var_epi8(even, v, idx, s), table)
 #define bx(q) (__m512bh) _mm512_set1_epi32(xb[q])
   __m512 acc = _mm512_setzero_ps();
@@ -432,24 +436,35 @@ inline void add_chunk(const __m512 (&part)[R][NP], float* c, const float* sc, co
   }
 }
 
-// part = rows i < R of x (float32, row stride lda) times the float32 buffer, kc k.
-template <int R, int NP>
-inline void bmicro_f32(const float* a, int64_t lda, const float* b, int64_t kc, __m512 (&part)[R][NP]) {
+// The loop nest of the blocked microkernels: part[i][j] (zeroed first) = mac over u < ku of the
+// broadcast a[i * lda + u] (row i of x: a float, or an int32 pair) and the buffer's vector
+// b[u * kBW + 16 j] (a k, or a k pair, of panel j).
+template <int R, int NP, typename V, typename A, typename B, typename Load, typename Bcast, typename Mac>
+inline void bmicro(const A* a, int64_t lda, const B* b, int64_t ku, V (&part)[R][NP], V zero, const Load& load,
+                   const Bcast& bcast, const Mac& mac) {
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) part[i][j] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 bv[NP];
+    for (int j = 0; j < NP; ++j) part[i][j] = zero;
+  for (int64_t u = 0; u < ku; ++u) {
+    decltype(load(b)) bv[NP];
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) bv[j] = _mm512_loadu_ps(b + k * kBW + j * kPanel);
+    for (int j = 0; j < NP; ++j) bv[j] = load(b + u * kBW + j * kPanel);
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) {
-      const __m512 av = _mm512_set1_ps(a[i * lda + k]);
+      const auto av = bcast(a[i * lda + u]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) part[i][j] = _mm512_fmadd_ps(av, bv[j], part[i][j]);
+      for (int j = 0; j < NP; ++j) mac(part[i][j], av, bv[j]);
     }
   }
+}
+
+// part = rows i < R of x (float32, row stride lda) times the float32 buffer, kc k.
+template <int R, int NP>
+inline void bmicro_f32(const float* a, int64_t lda, const float* b, int64_t kc, __m512 (&part)[R][NP]) {
+  bmicro<R, NP>(a, lda, b, kc, part, _mm512_setzero_ps(), [](const float* p) { return _mm512_loadu_ps(p); },
+                [](float v) { return _mm512_set1_ps(v); },
+                [](__m512& acc, __m512 x, __m512 w) { acc = _mm512_fmadd_ps(x, w, acc); });
 }
 
 #ifdef PAGEDLLM_AVX512_BF16
@@ -457,23 +472,26 @@ inline void bmicro_f32(const float* a, int64_t lda, const float* b, int64_t kc, 
 // paired buffer, kc2 pairs.
 template <int R, int NP>
 inline void bmicro_dp(const int32_t* a, int64_t lda, const int32_t* b, int64_t kc2, __m512 (&part)[R][NP]) {
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) part[i][j] = _mm512_setzero_ps();
-  for (int64_t q = 0; q < kc2; ++q) {
-    __m512bh bv[NP];
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(b + q * kBW + j * kPanel);
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(a[i * lda + q]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) part[i][j] = _mm512_dpbf16_ps(part[i][j], av, bv[j]);
-    }
-  }
+  bmicro<R, NP>(a, lda, b, kc2, part, _mm512_setzero_ps(),
+                [](const int32_t* p) { return (__m512bh)_mm512_loadu_si512(p); },
+                [](int32_t v) { return (__m512bh)_mm512_set1_epi32(v); },
+                [](__m512& acc, __m512bh x, __m512bh w) { acc = _mm512_dpbf16_ps(acc, x, w); });
 }
 #endif
+
+// y[m, n0 + 16 j ...] = the task's float32 rows c (row stride kBW) + bias, for np panels of cols
+// columns from n0.
+template <typename O>
+inline void store_task(const float* c, int64_t M, int64_t np, int64_t cols, int64_t n0, const float* bias, O* y,
+                       int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < np; ++j) {
+      const __mmask16 mk = lanes16(cols - j * kPanel);
+      __m512 v = _mm512_loadu_ps(c + m * kBW + j * kPanel);
+      if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + n0 + j * kPanel, mk));
+      store16(y + m * ldy + n0 + j * kPanel, v, mk);
+    }
+}
 
 // The blocked product: tasks of kBNP panels, every row, chunk by chunk. xb: x as bf16 pairs
 // (null: float32 arithmetic on xf).
@@ -517,13 +535,7 @@ void run_blocked(const Weights& w, const float* xf, const int32_t* xb, int64_t M
         });
       }
     }
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < np; ++j) {
-        const __mmask16 mk = lanes16(cols - j * kPanel);
-        __m512 v = _mm512_loadu_ps(c + m * kBW + j * kPanel);
-        if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + n0 + j * kPanel, mk));
-        store16(y + m * w.N + n0 + j * kPanel, v, mk);
-      }
+    store_task(c, M, np, cols, n0, bias, y, w.N);
   }
 }
 #elif defined(PAGEDLLM_AVX2)
@@ -684,6 +696,11 @@ void run(const Weights& w, const float* x, const int32_t* xb, int64_t M, const f
 }
 
 }  // namespace qgemm
+}  // namespace pagedllm
+
+#include "quant_gemm_i16.h"  // int16 activations with AVX512-VNNI (uses the kernels above)
+
+namespace pagedllm {
 
 // packed[p, kk, j] = q[16 p + j, kk] for the bytes of q [N, KB] (zero past N): the panel layout
 // of every kind (int4's KB = K / 2).
@@ -779,9 +796,27 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const float zc = kind == qgemm::kInt4 && !zeros ? 8.0f : 0.0f;  // int4 without zero points: 8
-  auto [xf, xs] = gather_input(x, perm, group_size, zeros || zc != 0.0f);
   const qgemm::Weights w{static_cast<int>(kind), packed.data_ptr<uint8_t>(), sc.data_ptr<float>(),
                          zeros ? zp->data_ptr<float>() : nullptr, N, K, group_size, G, zc};
+#ifdef PAGEDLLM_AVX512
+  if (x.scalar_type() == torch::kFloat32 && qgemm::int16_path(static_cast<int>(kind), group_size)) {
+    const torch::Tensor xf = gather_input(x, perm, group_size, false).first;
+    auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
+    auto s = torch::empty({2, M, w.chunks()}, x.options());  // scales, sums
+    qgemm::quantize_i16(xf.data_ptr<float>(), M, w, static_cast<int16_t*>(q.data_ptr()), s.data_ptr<float>(),
+                        s.data_ptr<float>() + M * w.chunks());
+    const qgemm::Act16 a{static_cast<const int32_t*>(q.data_ptr()), s.data_ptr<float>(),
+                         s.data_ptr<float>() + M * w.chunks()};
+    float* yp = y.data_ptr<float>();
+    if (kind == qgemm::kInt4) {
+      qgemm::run_i16<qgemm::kInt4>(w, a, M, yp, b);
+    } else {
+      qgemm::run_i16<qgemm::kInt8>(w, a, M, yp, b);
+    }
+    return y;
+  }
+#endif
+  auto [xf, xs] = gather_input(x, perm, group_size, zeros || zc != 0.0f);
   const float* xp = xf.data_ptr<float>();
   const float* xsp = xs.defined() ? xs.data_ptr<float>() : nullptr;
   // bf16 x of a batch on AVX512-BF16: its bf16 pairs (in the weight's column order) for vdpbf16ps

@@ -99,11 +99,10 @@ struct Act16 {
 
 #define PAGEDLLM_VNNI_VBMI __attribute__((target("avx512vnni,avx512vbmi")))
 
-// acc += the pairwise int16 products of a and b (vpdpwssd) as inline assembly: GCC 12 compiles the
-// intrinsic in unrolled accumulator loops with a register copy and a stack store per instruction.
-PAGEDLLM_VNNI_VBMI inline void dpwssd(__m512i& acc, __m512i a, __m512i b) {
-  __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-}
+// acc += the pairwise int16 products of a and b (vpdpwssd) as inline assembly, which needs no
+// target attribute (callable from the shared loop nests) and compiles well: GCC 12 turns the
+// intrinsic in unrolled accumulator loops into a register copy and a stack store per instruction.
+inline void dpwssd(__m512i& acc, __m512i a, __m512i b) { __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b)); }
 
 // vpermb indices for int8 codes: 64 bytes = 4 lines of k = 4t .. 4t + 3; pair h (k = 4t + 2h,
 // 4t + 2h + 1) puts line 2h's byte j in byte 4j + 1 and line 2h + 1's in byte 4j + 3 (the even
@@ -191,30 +190,16 @@ PAGEDLLM_VNNI_VBMI void widen_chunk_i16(const Weights& w, int64_t p, int64_t np,
 }
 
 // Rows [m, m + R) of one task against one widened chunk ch: the integer sums of the int16 x pairs
-// and the widened codes (in local accumulators: GCC keeps an array passed by reference in
-// memory), scaled by each row's chunk scale and added to the task's float32 rows c (add_chunk).
+// and the widened codes, scaled by each row's chunk scale and added to the task's float32 rows c
+// (add_chunk).
 template <int R, int NP>
-PAGEDLLM_VNNI_VBMI void tile_i16(const Weights& w, int64_t p, const Act16& a, int64_t m, int64_t ch,
-                                 const int32_t* widened, float* c) {
+void tile_i16(const Weights& w, int64_t p, const Act16& a, int64_t m, int64_t ch, const int32_t* widened, float* c) {
   const int64_t C = w.chunks(), G = w.G, K2 = w.K / 2;
   const int64_t k0 = w.chunk_begin(ch), k1 = w.chunk_end(ch), g = ch / w.chunks_per_group();
-  const int32_t* x = a.q + m * K2 + k0 / 2;
   __m512i part[R][NP];
-#pragma GCC unroll 8
-  for (int i = 0; i < R; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) part[i][j] = _mm512_setzero_si512();
-  for (int64_t q = 0; q < (k1 - k0) / 2; ++q) {
-    __m512i bv[NP];
-#pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) bv[j] = _mm512_loadu_si512(widened + q * kBW + j * kPanel);
-#pragma GCC unroll 8
-    for (int i = 0; i < R; ++i) {
-      const __m512i av = _mm512_set1_epi32(x[i * K2 + q]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NP; ++j) dpwssd(part[i][j], av, bv[j]);
-    }
-  }
+  bmicro<R, NP>(a.q + m * K2 + k0 / 2, K2, widened, (k1 - k0) / 2, part, _mm512_setzero_si512(),
+                [](const int32_t* q) { return _mm512_loadu_si512(q); }, [](int32_t v) { return _mm512_set1_epi32(v); },
+                [](__m512i& acc, __m512i x, __m512i v) { dpwssd(acc, x, v); });
   __m512 f[R][NP];
 #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
@@ -246,13 +231,7 @@ void blocked_task_i16(const Weights& w, int64_t p, int64_t np, const Act16& a, i
         });
       });
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < np; ++j) {
-      const __mmask16 mk = lanes16(cols - j * kPanel);
-      __m512 v = _mm512_loadu_ps(c + m * kBW + j * kPanel);
-      if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + n0 + j * kPanel, mk));
-      store16(y + m * w.N + n0 + j * kPanel, v, mk);
-    }
+  store_task(c, M, np, cols, n0, bias, y, w.N);
 }
 
 // One panel times one row of int16 x (batch 1), read front to back as one stream (see
@@ -262,10 +241,10 @@ PAGEDLLM_VNNI_VBMI void panel1_i16(const Weights& w, int64_t p, const Act16& a, 
                                    int64_t cols) {
   constexpr int64_t lpq = KIND == kInt4 ? 1 : 2;
   constexpr int64_t step = 16 / lpq;  // pairs per 256 bytes
-  const int64_t pb = w.panel_bytes(), G = w.G, C = w.chunks();
-  const uint8_t* base = w.packed + p * pb;
-  const float* sc = w.sc + p * G * kPanel;
-  const float* zp = w.zp != nullptr ? w.zp + p * G * kPanel : nullptr;
+  const int64_t C = w.chunks();
+  const uint8_t* base = w.codes(p);
+  const float* sc = w.scales(p);
+  const float* zp = w.zeros(p);
   const PairIdx16<KIND> ix;
   __m512 acc = _mm512_setzero_ps();
   for (int64_t c = 0; c < C; ++c) {
