@@ -6,7 +6,8 @@ against unrounded x: within the rounding (half a step of each chunk's scale per 
 batch 1 (one stream per range of panels, 8-line and 4-pair steps with tails), batches (one and
 more 8-row tiles, row tails, the 3-panel tasks), int4 and int8 codes, groups of 2 / 6 / 16 / 32 /
 64 k and per-channel groups cut into 256-k chunks, zero points, act-order; a chunk of zeros; a
-non-finite input comes out NaN in its row only; the switch; bf16 x keeps its own paths."""
+non-finite input comes out NaN in its row only; the switch; bf16 x keeps its own paths; prompt-sized
+batches in passes of 64 rows."""
 from __future__ import annotations
 
 import pytest
@@ -115,3 +116,15 @@ def test_switch_and_bf16(kernels16):
         assert torch.equal(qgemm.quantized_linear(xb, pw), yb)
     finally:
         kernels16.int16_activations(True)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_prompt_sized_batches(kernels16, kind):
+    # more rows than one 64-row pass: every pass widens the chunks again, a short last pass
+    qw = random_qweight(kind, 16 * 3 + 9, 256, 32, asym=kind == "int4", seed=8)
+    pw = packed_qweight.pack(qw, kernels16)
+    x = random_input(150, 256, torch.float32, seed=6)
+    bias = torch.randn(qw.out_features)
+    y = qgemm.quantized_linear(x, pw, bias)
+    check(y, x, qw, bias)
+    assert torch.equal(qgemm.quantized_linear(x[64:128], pw, bias), y[64:128])  # rows do not see each other

@@ -189,9 +189,9 @@ PAGEDLLM_VNNI_VBMI void widen_chunk_i16(const Weights& w, int64_t p, int64_t np,
   }
 }
 
-// Rows [m, m + R) of one task against one widened chunk ch: the integer sums of the int16 x pairs
-// and the widened codes, scaled by each row's chunk scale and added to the task's float32 rows c
-// (add_chunk).
+// Rows [m, m + R) of x in one task against one widened chunk ch: the integer sums of the int16 x
+// pairs and the widened codes, scaled by each row's chunk scale and added to their float32 rows
+// c (add_chunk).
 template <int R, int NP>
 void tile_i16(const Weights& w, int64_t p, const Act16& a, int64_t m, int64_t ch, const int32_t* widened, float* c) {
   const int64_t C = w.chunks(), G = w.G, K2 = w.K / 2;
@@ -209,29 +209,34 @@ void tile_i16(const Weights& w, int64_t p, const Act16& a, int64_t m, int64_t ch
   }
   const float* sc = w.sc + (p * G + g) * kPanel;
   const float* zp = w.zp != nullptr ? w.zp + (p * G + g) * kPanel : nullptr;
-  add_chunk<R, NP>(f, c + m * kBW, sc, zp, w.zc, G * kPanel, a.sum + m * C + ch, C);
+  add_chunk<R, NP>(f, c, sc, zp, w.zc, G * kPanel, a.sum + m * C + ch, C);
 }
 
-// One task of the batched product: panels [p, p + np), every row of x, chunk by chunk (as
-// run_blocked), into y [M, N] float32.
+// One task of the batched product: panels [p, p + np), every row of x, into y [M, N] float32;
+// kMB rows at a time (their float32 rows stay in L1 across the chunks), chunk by chunk, each chunk
+// widened once per pass.
+constexpr int64_t kMB = 64;
 template <int KIND>
 void blocked_task_i16(const Weights& w, int64_t p, int64_t np, const Act16& a, int64_t M, float* y,
                       const float* bias) {
   static thread_local std::vector<int32_t> widened;
   if (widened.size() < static_cast<size_t>(kChunk / 2 * kBW)) widened.resize(kChunk / 2 * kBW);
   const int64_t n0 = p * kPanel, cols = std::min(np * kPanel, w.N - n0);
-  float* c = gemm::task_buffer(M * kBW);
-  std::fill(c, c + M * kBW, 0.0f);
-  for (int64_t ch = 0; ch < w.chunks(); ++ch) {
-    widen_chunk_i16<KIND>(w, p, np, w.chunk_begin(ch), w.chunk_end(ch), widened.data());
-    for (int64_t m = 0; m < M; m += kBR)
-      gemm::upto<kBNP>(np, [&](auto qq) {
-        gemm::upto<kBR>(std::min<int64_t>(kBR, M - m), [&](auto rr) {
-          tile_i16<rr.value, qq.value>(w, p, a, m, ch, widened.data(), c);
+  float* c = gemm::task_buffer(std::min(M, kMB) * kBW);
+  for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+    const int64_t mb = std::min(kMB, M - m0);
+    std::fill(c, c + mb * kBW, 0.0f);
+    for (int64_t ch = 0; ch < w.chunks(); ++ch) {
+      widen_chunk_i16<KIND>(w, p, np, w.chunk_begin(ch), w.chunk_end(ch), widened.data());
+      for (int64_t m = 0; m < mb; m += kBR)
+        gemm::upto<kBNP>(np, [&](auto qq) {
+          gemm::upto<kBR>(std::min<int64_t>(kBR, mb - m), [&](auto rr) {
+            tile_i16<rr.value, qq.value>(w, p, a, m0 + m, ch, widened.data(), c + m * kBW);
+          });
         });
-      });
+    }
+    store_task(c, mb, np, cols, n0, bias, y + m0 * w.N, w.N);
   }
-  store_task(c, M, np, cols, n0, bias, y, w.N);
 }
 
 // One panel times one row of int16 x (batch 1), read front to back as one stream (see
