@@ -158,6 +158,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         value = getattr(args, f.name, None)
         if f.name == "served_model_name" and isinstance(value, list):  # serve takes several: the first is reported
             value = value[0] if value else None
+        if f.name == "model" and isinstance(value, list):  # serve's --model may be given per model
+            if len(set(value)) > 1:
+                raise ValueError(f"one engine serves one model, got {len(value)}: {value}")
+            value = value[0] if value else None
         if value is not None:
             kwargs[f.name] = value
     if not kwargs.get("model"):

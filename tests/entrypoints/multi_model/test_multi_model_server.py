@@ -20,7 +20,7 @@ from processes import children, wait_gone
 pytestmark = pytest.mark.slow
 MiB = 1 << 20
 SHAKESPEARE = os.path.join(os.path.dirname(__file__), "..", "..", "..", "models", "tiny-shakespeare")
-CLIENT = httpx.Client(timeout=120)
+CLIENT = httpx.Client(timeout=600)  # a request may wait for loads on a busy host
 
 
 def free_port() -> int:
