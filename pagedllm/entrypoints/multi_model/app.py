@@ -71,8 +71,8 @@ def _model_field(body: bytes) -> tuple[bool, Any]:
 
 
 async def _entry_for(state: FrontState, body: bytes) -> ModelEntry:
-    is_object, name = await (asyncio.to_thread(_model_field, body) if len(body) > _PARSE_OFF_LOOP
-                             else asyncio.sleep(0, _model_field(body)))
+    is_object, name = (await asyncio.to_thread(_model_field, body) if len(body) > _PARSE_OFF_LOOP
+                       else _model_field(body))
     if name is None:
         if len(state.entries) == 1:
             return state.entries[0]  # the model server answers a malformed body with its own 400

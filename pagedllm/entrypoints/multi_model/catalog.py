@@ -25,6 +25,7 @@ a name used twice is an error at start-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -193,8 +194,7 @@ def build_catalog(args: argparse.Namespace, dests: dict[str, Any]) -> list[Model
             entries.append(_entry(item["model"], given, item.get("options") or {}, bool(item.get("pin", False)),
                                   dests, lora, f"--models-config models[{i}]"))
     pins = set(args.pin_model or ())
-    entries = [ModelEntry(e.path, e.names, e.flags, e.pinned or bool(pins & set(e.names)), e.lora_names, e.options)
-               for e in entries]
+    entries = [dataclasses.replace(e, pinned=e.pinned or bool(pins & set(e.names))) for e in entries]
     _check_names(entries, pins)
     return entries
 

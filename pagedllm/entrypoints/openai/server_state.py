@@ -77,7 +77,7 @@ class ServerState:
         self.started = time.monotonic()
         self.ready_seconds: Optional[float] = None
         self.dashboard = None  # the DashboardRecorder (--enable-dashboard) once the engine is ready
-        self._planned_max_model_len: Optional[int] = None
+        self._planned_max_model_len: Optional[tuple[Optional[int]]] = None  # (value,) once read
         if self.engine is not None:
             lora_modules.register_lora_modules(self.engine, self.args.lora_modules, self.served_model_names)
             self._ready(self.engine)
@@ -90,16 +90,16 @@ class ServerState:
     def planned_max_model_len(self) -> Optional[int]:
         """While the engine loads: the max_model_len it is configured for (the one it was given, else
         the checkpoint's context length); None if the checkpoint's config cannot be read."""
-        if self._planned_max_model_len is None:
+        if self._planned_max_model_len is None:  # read once (the answer, or the configured one on error)
             requested = self.config.max_model_len
             try:
                 from pagedllm.config import resolve_max_model_len
                 from pagedllm.models.config_json import load_hf_config
 
-                self._planned_max_model_len = resolve_max_model_len(load_hf_config(self.config.model), requested)
+                self._planned_max_model_len = (resolve_max_model_len(load_hf_config(self.config.model), requested),)
             except Exception:  # noqa: BLE001 (the loader reports a bad checkpoint)
-                return requested
-        return self._planned_max_model_len
+                self._planned_max_model_len = (requested,)
+        return self._planned_max_model_len[0]
 
     def start_loading(self) -> None:
         if self.engine is None and self._loader is None:
