@@ -15,7 +15,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight quantization (pagedllm/quantization/): checkpoint formats, and int8/fp8 quantized at load.
 QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors", "fp8", "int8", "gguf")
 # KV cache storage (attention/kv_quant.py): "fp8" is an alias of "fp8_e4m3".
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 # The KV offload tier's stores (worker/kv_tier/): "native" host memory, "disk" files, "native+disk" host
 # memory spilling to files.
 KV_OFFLOADING_BACKENDS = ("native", "disk", "native+disk")
@@ -101,7 +101,7 @@ class EngineConfig:
     tokenizer: Optional[str] = None
     dtype: str = "auto"
     quantization: Optional[str] = None  # None: from config.json quantization_config; int8/fp8 quantize at load
-    kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3 (alias fp8), fp8_e5m2, int8
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), bfloat16, fp8_e4m3 (alias fp8), fp8_e5m2, int8
     device: str = "auto"
     seed: int = 0
     block_size: int = 16

@@ -20,6 +20,10 @@ Falcon-7B/40B): the torch paths only (the C++ kernels take no bias), with the pe
 bias ``slope * (key position - query position)`` folded into the step's additive masks, so the
 masks of an ALiBi step are per kv head and query head.
 
+A bfloat16 cache under a float32 model (kv_cache_dtype bfloat16): rows are rounded as they are
+stored (``write_kv``), read as float32, and prefill chunks read their own keys back as 8-bit
+caches do (below).
+
 8-bit caches (kv_cache_dtype int8 / fp8, ``kv_scales`` given; attention/kv_quant.py): the write
 quantizes each token's K/V row per kv head (C++ ``write_kv_quant``, else the torch reference);
 the kernels read the 8-bit rows and apply the row scales to the scores and the softmax weights;
@@ -101,7 +105,7 @@ def _alibi_bias(slopes: torch.Tensor, rel: np.ndarray, num_kv_heads: int, group:
 
 class _StepPlan:
     def __init__(self, md: AttentionMetadata, block_size: int, sliding_window: Optional[int], group: int,
-                 use_kernel: bool, quantized: bool = False, alibi: Optional[torch.Tensor] = None) -> None:
+                 use_kernel: bool, rounded: bool = False, alibi: Optional[torch.Tensor] = None) -> None:
         qsl = md.query_start_loc_cpu
         seq_lens = md.seq_lens_cpu
         self.kernel_decode: Optional[_KernelDecodePlan] = None
@@ -145,7 +149,7 @@ class _StepPlan:
         for i in prefill_idx:
             s, e, L = int(qsl[i]), int(qsl[i + 1]), int(seq_lens[i])
             q = e - s
-            from_cache = L != q or quantized  # an 8-bit cache: the chunk's keys as stored, as a later hit reads them
+            from_cache = L != q or rounded  # a cache coarser than the query: the chunk's keys as stored, as a later hit reads them
             nb = -(-L // block_size)
             qpos = np.arange(L - q, L)[:, None]
             kpos = np.arange(nb * block_size if from_cache else q)[None, :]
@@ -180,9 +184,9 @@ class _StepPlan:
 
 
 def _blocks(cache: torch.Tensor, scales: Optional[torch.Tensor], block_ids: torch.Tensor, dtype) -> torch.Tensor:
-    """The blocks ``block_ids`` of a cache plane (dequantized when the cache is 8-bit)."""
+    """The blocks ``block_ids`` of a cache plane as ``dtype`` (dequantized when the cache is 8-bit)."""
     if scales is None:
-        return cache.index_select(0, block_ids)
+        return cache.index_select(0, block_ids).to(dtype)
     return kv_quant.gather_dequantized(cache, scales, block_ids, dtype)
 
 
@@ -201,14 +205,14 @@ class TorchNativeAttention:
             raise ValueError(f"alibi_slopes must have one slope per query head ({num_heads}), got {tuple(self.alibi.shape)}")
 
     def _plan(self, md: AttentionMetadata, block_size: int, dtype: torch.dtype, use_kernel: bool,
-              quantized: bool) -> _StepPlan:
+              rounded: bool) -> _StepPlan:
         # Built by the first layer of the step, reused by the others.
         alibi_key = None if self.alibi is None else self.alibi.data_ptr()  # layers share one slopes tensor
-        key = ("torch_native", block_size, self.sliding_window, self.group, dtype, quantized, alibi_key)
+        key = ("torch_native", block_size, self.sliding_window, self.group, dtype, rounded, alibi_key)
         plan = md.backend_cache.get(key)
         if plan is None:
             plan = md.backend_cache[key] = _StepPlan(md, block_size, self.sliding_window, self.group, use_kernel,
-                                                     quantized, self.alibi)
+                                                     rounded, self.alibi)
         return plan
 
     def forward(self, query, key, value, kv_cache, md: AttentionMetadata, kv_scales=None) -> torch.Tensor:
@@ -231,12 +235,13 @@ class TorchNativeAttention:
         elif kernels is not None and rows_ok:
             kernels.write_kv(k_cache, v_cache, key, value, md.slot_mapping)
         else:
-            k_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, key[:num_tokens])
-            v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens])
+            k_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, key[:num_tokens].to(k_cache.dtype))
+            v_cache.view(-1, Hkv, D).index_copy_(0, md.slot_mapping, value[:num_tokens].to(v_cache.dtype))
         scale_kw = {} if kv_scales is None else {"k_scales": k_scales, "v_scales": v_scales}
 
         use_kernel = kernels is not None and D % 8 == 0 and self.alibi is None
-        plan = self._plan(md, block_size, query.dtype, use_kernel, kv_scales is not None)
+        # an 8-bit cache, or a bfloat16 one under a float32 model, stores rows rounded
+        plan = self._plan(md, block_size, query.dtype, use_kernel, kv_scales is not None or k_cache.dtype != query.dtype)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # contiguous rows
         if plan.kernel_decode is not None:
             kd = plan.kernel_decode
@@ -312,7 +317,7 @@ class TorchNativeAttention:
 
 class TorchNativeAttentionBackend:
     name = "torch_native"
-    kv_cache_dtypes = ("auto",) + kv_quant.QUANTIZED_KV_CACHE_DTYPES
+    kv_cache_dtypes = kv_quant.UNQUANTIZED_KV_CACHE_DTYPES + kv_quant.QUANTIZED_KV_CACHE_DTYPES
 
     @staticmethod
     def make_impl(num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap=None,

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from pagedllm import envs
-from pagedllm.attention.kv_quant import KVQuant, SCALE_DTYPE, kv_quant
+from pagedllm.attention.kv_quant import KVQuant, SCALE_DTYPE, kv_quant, kv_storage_dtype
 from pagedllm.attention.selector import get_attention_backend
 from pagedllm.config import EngineConfig, fit_max_model_len, hf_field
 from pagedllm.heap import collect_and_trim
@@ -171,8 +171,9 @@ class Worker:
                                         config.max_cpu_loras or config.max_loras, self.dtype, self.device)
         layers = self.model.attention_layers()
         a0 = layers[0]
-        self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size, self.dtype,
-                                   a0.kv_planes, kv_quant(config.kv_cache_dtype))
+        self.kv_spec = KVCacheSpec(len(layers), a0.num_kv_heads, a0.head_dim, config.block_size,
+                                   kv_storage_dtype(config.kv_cache_dtype, self.dtype), a0.kv_planes,
+                                   kv_quant(config.kv_cache_dtype))
         windows = {layer.sliding_window for layer in layers}
         # Every layer windowed alike: the scheduler frees blocks that fall out of the window.
         self.kv_sliding_window = windows.pop() if len(windows) == 1 else None
@@ -190,11 +191,11 @@ class Worker:
 
     def _check_kv_cache_dtype(self) -> None:
         name = self.config.kv_cache_dtype
-        if self.kv_spec.quant is None:
+        if self.kv_spec.storage_dtype == self.dtype:  # the model's own dtype: every backend runs it
             return
         if self.kv_spec.planes != 2:
             raise ValueError(f"kv_cache_dtype={name!r}: multi-head latent attention (DeepSeek's one-plane latent cache) "
-                             "has no 8-bit cache yet; use kv_cache_dtype='auto'")
+                             "keeps its cache in the model dtype; use kv_cache_dtype='auto'")
         supported = self.backend.kv_cache_dtypes
         if name not in supported:
             raise ValueError(f"kv_cache_dtype={name!r} is not supported by the {self.backend.name} attention backend "

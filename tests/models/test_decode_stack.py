@@ -62,12 +62,13 @@ def test_env_switch(gguf_dir, monkeypatch):
     assert llm.engine.config.native_decode is False
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_checkpoint_native_equals_python(make_ckpt, monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("bfloat16", "auto"), ("float32", "bfloat16")])
+def test_dense_checkpoint_native_equals_python(make_ckpt, monkeypatch, dtype, kv_cache_dtype):
+    """Float32 and bf16 weights; float32 weights over a bfloat16 KV cache as well."""
     path = make_ckpt("native_llama", "llama", hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
-    native, state = run(path, True, monkeypatch, dtype=dtype)
+    native, state = run(path, True, monkeypatch, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     assert state not in (None, False)
-    python, _ = run(path, False, monkeypatch, dtype=dtype)
+    python, _ = run(path, False, monkeypatch, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
     assert_same(native, python)
 
 

@@ -257,17 +257,37 @@ inline void write_kv(torch::Tensor key_cache, torch::Tensor value_cache, torch::
   TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == key.size(2) && value.stride(2) == 1 && value.stride(1) == value.size(2),
               "write_kv: each token's heads must be contiguous");
   TORCH_CHECK(key_cache.numel() % row == 0 && value_cache.numel() == key_cache.numel(), "write_kv: cache shape");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+  TORCH_CHECK(key.scalar_type() == value.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type(),
               "write_kv: dtypes differ");
   const int64_t num_slots = key_cache.numel() / row;
-  const int64_t elem = key.element_size();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " out of range");
+  if (key.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kBFloat16) {
+    // a bfloat16 cache under a float32 model: each row rounded to nearest even as it is stored
+    const float* kp = key.data_ptr<float>();
+    const float* vp = value.data_ptr<float>();
+    c10::BFloat16* kc = key_cache.data_ptr<c10::BFloat16>();
+    c10::BFloat16* vc = value_cache.data_ptr<c10::BFloat16>();
+    const int64_t ks = key.stride(0), vs = value.stride(0);
+#pragma omp parallel for if (T * row >= fused::kParallelElems)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      for (int64_t i = 0; i < row; ++i) {
+        kc[slot * row + i] = c10::BFloat16(kp[t * ks + i]);
+        vc[slot * row + i] = c10::BFloat16(vp[t * vs + i]);
+      }
+    }
+    return;
+  }
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type(), "write_kv: dtypes differ (a float32 key and value may go "
+              "into a bfloat16 cache; otherwise the cache's dtype)");
+  const int64_t elem = key.element_size();
   char* kc = static_cast<char*>(key_cache.data_ptr());
   char* vc = static_cast<char*>(value_cache.data_ptr());
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
   const int64_t ks = key.stride(0) * elem, vs = value.stride(0) * elem, bytes = row * elem;
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] < num_slots, "write_kv: slot ", slots[t], " out of range");
 #pragma omp parallel for if (T * row >= fused::kParallelElems)
   for (int64_t t = 0; t < T; ++t) {
     const int64_t slot = slots[t];

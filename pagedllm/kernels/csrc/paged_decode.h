@@ -1,5 +1,6 @@
-// Paged decode attention for CPU (float32 or bfloat16 KV cache, or an 8-bit one -- int8, fp8
-// e4m3/e5m2 -- with a bfloat16 scale per token and kv head; float32 arithmetic).
+// Paged decode attention for CPU (float32 or bfloat16 KV cache -- bfloat16 under a float32 query
+// too -- or an 8-bit one -- int8, fp8 e4m3/e5m2 -- with a bfloat16 scale per token and kv head;
+// float32 arithmetic).
 //
 // Each task (a sequence, or one kv head of it) reads its keys and values straight from the KV
 // cache blocks through the block table -- no gathered copy, no padding. With AVX2+FMA a task
@@ -430,7 +431,9 @@ inline std::pair<const c10::BFloat16*, const c10::BFloat16*> check_cache(
   TORCH_CHECK(out.scalar_type() == qt && value_cache.scalar_type() == ct, what, ": query/out or key/value cache dtypes differ");
   TORCH_CHECK(k_scales.has_value() == v_scales.has_value(), what, ": key and value scales go together");
   if (!k_scales.has_value()) {
-    TORCH_CHECK(ct == qt, what, ": query and cache dtypes differ (an 8-bit cache needs its scales)");
+    TORCH_CHECK(ct == qt || (qt == torch::kFloat32 && ct == torch::kBFloat16), what,
+                ": query and cache dtypes differ (a float32 query reads a float32 or bfloat16 cache; an 8-bit "
+                "cache needs its scales)");
     return {nullptr, nullptr};
   }
   TORCH_CHECK(ct == at::kChar || ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2, what,
@@ -451,6 +454,7 @@ inline void dispatch_cache(const torch::Tensor& query, const torch::Tensor& key_
       case at::kChar: f(q, int8_t{}); break;
       case at::kFloat8_e4m3fn: f(q, c10::Float8_e4m3fn{}); break;
       case at::kFloat8_e5m2: f(q, c10::Float8_e5m2{}); break;
+      case at::kBFloat16: f(q, c10::BFloat16{}); break;  // a bfloat16 cache under a float32 model too
       default: f(q, q);
     }
   };
