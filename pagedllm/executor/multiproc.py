@@ -170,6 +170,43 @@ def _release_previous_engines() -> None:
         dist.destroy_process_group()
 
 
+def _check_layout(config, hf_config) -> None:
+    """The heads divide over the tensor ranks, the layers over the stages: clear errors before
+    any process starts."""
+    tp = config.tensor_parallel_size
+    heads = hf_config.num_attention_heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({heads})")
+    kv_heads = hf_field(hf_config, "num_key_value_heads") or heads
+    if kv_heads % tp and tp % kv_heads:
+        raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide one another")
+    if config.pipeline_parallel_size > 1:
+        stage_partition(config, hf_config)  # a bad pp_layer_partition fails here
+
+
+def _check_torchrun(torchrun: tuple[int, int], world: int) -> None:
+    """Under torchrun: the launcher's world is the engine's, and this is rank 0."""
+    if torchrun[1] != world:
+        raise ValueError(f"WORLD_SIZE={torchrun[1]} but tensor_parallel_size x "
+                         f"pipeline_parallel_size = {world}")
+    if torchrun[0] != 0:
+        raise RuntimeError("only rank 0 builds the engine; other ranks run run_worker_rank")
+
+
+def _check_local_resources(config, world: int) -> None:
+    """One machine: a GPU per rank, or (CPU) no more tensor ranks than cores."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()):
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"{world} ranks (tensor {tp} x pipeline {pp} parallel) need a GPU each, "
+                             f"but only {torch.cuda.device_count()} are visible")
+    elif tp > (os.cpu_count() or 1):
+        raise ValueError(f"tensor_parallel_size={tp} exceeds the {os.cpu_count()} CPU cores available")
+    elif world > (os.cpu_count() or 1):
+        logger.warning("%d ranks (pipeline %d x tensor %d) share %d CPU cores: the stages will take turns",
+                       world, pp, tp, os.cpu_count())
+
+
 class MultiprocExecutor:
     num_blocks: int
     max_model_len: int
@@ -179,20 +216,11 @@ class MultiprocExecutor:
     max_concurrent_batches: int  # one step per pipeline stage
 
     def __init__(self, config, hf_config, max_model_len: int, max_num_batched_tokens: int) -> None:
-        import torch.multiprocessing as mp
-
         tp, self.pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
         self.max_concurrent_batches = self.pp_size
         world = tp * self.pp_size
         self.world_size = world
-        heads = hf_config.num_attention_heads
-        if heads % tp:
-            raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({heads})")
-        kv_heads = hf_field(hf_config, "num_key_value_heads") or heads
-        if kv_heads % tp and tp % kv_heads:
-            raise ValueError(f"tensor_parallel_size ({tp}) and num_key_value_heads ({kv_heads}) must divide one another")
-        if self.pp_size > 1:
-            stage_partition(config, hf_config)  # a bad pp_layer_partition fails here, before any process starts
+        _check_layout(config, hf_config)
         self._in_flight = 0
         self.procs = []
         args = (config, hf_config, max_model_len, max_num_batched_tokens)
@@ -200,52 +228,55 @@ class MultiprocExecutor:
         store = None
         self._teardown = weakref.finalize(self, _teardown, self.procs)
         if torchrun is not None:
-            if torchrun[1] != world:
-                raise ValueError(f"WORLD_SIZE={torchrun[1]} but tensor_parallel_size x "
-                                 f"pipeline_parallel_size = {world}")
-            if torchrun[0] != 0:
-                raise RuntimeError("only rank 0 builds the engine; other ranks run run_worker_rank")
+            _check_torchrun(torchrun, world)
         else:
-            if config.device.startswith("cuda") or (config.device == "auto" and torch.cuda.is_available()):
-                if torch.cuda.device_count() < world:
-                    raise ValueError(f"{world} ranks (tensor {tp} x pipeline {self.pp_size} parallel) need a GPU each, "
-                                     f"but only {torch.cuda.device_count()} are visible")
-            elif tp > (os.cpu_count() or 1):
-                raise ValueError(f"tensor_parallel_size={tp} exceeds the {os.cpu_count()} CPU cores available")
-            elif world > (os.cpu_count() or 1):
-                logger.warning("%d ranks (pipeline %d x tensor %d) share %d CPU cores: the stages will take turns",
-                               world, self.pp_size, tp, os.cpu_count())
-            from pagedllm.distributed.parallel_state import serve_store
-
-            _release_previous_engines()
-            store = serve_store(world, _RENDEZVOUS_TIMEOUT_S)
-            _LIVE.append(self._teardown)
-            ctx = mp.get_context("spawn")
-            for r in range(1, world):
-                p = ctx.Process(target=_spawned_main, args=(r, world, store.port, args), daemon=True)
-                p.start()
-                self.procs.append(p)
+            _check_local_resources(config, world)
+            store = self._spawn_ranks(args)
         try:
-            if store is not None:
-                from pagedllm.distributed.parallel_state import wait_for_ranks
-
-                wait_for_ranks(store, self.procs, _RENDEZVOUS_TIMEOUT_S)
-            self.worker, self.group = _build_worker(*args, 0, world, store)
-            self.num_blocks = _agree_num_blocks(self.worker, self.group)
-            self.worker.initialize_cache(self.num_blocks)
-            self.max_model_len = self.worker.max_model_len  # every rank fitted the same value
-            self.sliding_window = self.worker.kv_sliding_window
-            self.kv_tier_spec = self.worker.kv_tier_spec  # every rank sized the same slots
-            import torch.distributed as dist
-
-            sizes = [None] * world
-            dist.gather_object(sum(p.numel() * p.element_size() for p in self.worker.model.parameters()), sizes,
-                               dst=0, group=self.group.world_cpu_group)
-            self.weight_bytes_per_rank = sizes
+            self._start_driver(args, store)
         except BaseException:
             self._teardown()  # no process or process group left behind for a later engine
             raise
         self._dead = False
+
+    def _spawn_ranks(self, args):
+        """Ranks 1..world-1 on this machine, each a spawned process joining this engine's own
+        rendezvous store (returned)."""
+        import torch.multiprocessing as mp
+
+        from pagedllm.distributed.parallel_state import serve_store
+
+        world = self.world_size
+        _release_previous_engines()
+        store = serve_store(world, _RENDEZVOUS_TIMEOUT_S)
+        _LIVE.append(self._teardown)
+        ctx = mp.get_context("spawn")
+        for r in range(1, world):
+            p = ctx.Process(target=_spawned_main, args=(r, world, store.port, args), daemon=True)
+            p.start()
+            self.procs.append(p)
+        return store
+
+    def _start_driver(self, args, store) -> None:
+        """Rank 0 (this process): wait for the others, build its worker, agree on the cache with
+        them and learn every rank's weight bytes."""
+        import torch.distributed as dist
+
+        world = self.world_size
+        if store is not None:
+            from pagedllm.distributed.parallel_state import wait_for_ranks
+
+            wait_for_ranks(store, self.procs, _RENDEZVOUS_TIMEOUT_S)
+        self.worker, self.group = _build_worker(*args, 0, world, store)
+        self.num_blocks = _agree_num_blocks(self.worker, self.group)
+        self.worker.initialize_cache(self.num_blocks)
+        self.max_model_len = self.worker.max_model_len  # every rank fitted the same value
+        self.sliding_window = self.worker.kv_sliding_window
+        self.kv_tier_spec = self.worker.kv_tier_spec  # every rank sized the same slots
+        sizes = [None] * world
+        dist.gather_object(sum(p.numel() * p.element_size() for p in self.worker.model.parameters()), sizes,
+                           dst=0, group=self.group.world_cpu_group)
+        self.weight_bytes_per_rank = sizes
 
     @property
     def num_forward_tokens(self) -> int:

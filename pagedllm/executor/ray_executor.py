@@ -137,9 +137,6 @@ class RayExecutor:
 
             stage_partition(config, hf_config)  # a bad pp_layer_partition fails before Ray or any actor starts
         ray = import_ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         self._ray = ray
         self.pp_size = self.max_concurrent_batches = config.pipeline_parallel_size
         world = config.tensor_parallel_size * self.pp_size
@@ -150,6 +147,29 @@ class RayExecutor:
         self._own_ray = not ray.is_initialized()  # joined (or started) here: left again at shutdown
         if self._own_ray:
             ray.init(ignore_reinit_error=True, log_to_driver=True)
+        cpus, use_gpu = self._place_actors(config)
+        self._dead_reason: Optional[str] = None
+        self._closing = False
+        addresses, infos = self._init_workers(dataclasses.replace(config, cpu_threads=cpus), hf_config,
+                                              max_model_len, max_num_batched_tokens)
+        self.num_blocks = infos[0]["num_blocks"]
+        self.max_model_len = infos[0]["max_model_len"]
+        self.sliding_window = infos[0]["sliding_window"]
+        self.weight_bytes_per_rank = [i["weight_bytes"] for i in infos]
+        self._num_forward_tokens = 0
+        logger.info("Ray executor: %d workers on nodes %s, %d CPUs%s each", world, [ip for ip, _ in addresses],
+                    cpus, " + 1 GPU" if use_gpu else "")
+        self._sentinels = {a.sentinel.remote(): r for r, a in enumerate(self.actors)}
+        self._monitor = threading.Thread(target=self._watch, name="pagedllm-ray-monitor", daemon=True)
+        self._monitor.start()
+
+    def _place_actors(self, config) -> tuple[int, bool]:
+        """A placement group of one bundle per rank (PACK) and an actor in each; (CPUs per rank,
+        whether each has a GPU)."""
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, world = self._ray, self.world_size
         use_gpu = config.device.startswith("cuda") or (config.device == "auto" and
                                                         ray.cluster_resources().get("GPU", 0) >= 1)
         total_cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -167,31 +187,25 @@ class RayExecutor:
             actor_cls.options(num_cpus=cpus, num_gpus=1 if use_gpu else 0, max_concurrency=2 + self.pp_size,
                               scheduling_strategy=PlacementGroupSchedulingStrategy(
                                   self._pg, placement_group_bundle_index=i)).remote()
-            for i in range(world)
+            for i in range(self.world_size)
         ]
-        self._dead_reason: Optional[str] = None
-        self._closing = False
+        return cpus, use_gpu
+
+    def _init_workers(self, worker_config, hf_config, max_model_len: int, max_num_batched_tokens: int):
+        """Every actor joins the rendezvous at rank 0's node and builds its worker; (the actors'
+        (ip, port), their init_worker reports). Each rank runs ``worker_config.cpu_threads``
+        threads (the CPUs Ray reserved for it; Ray does not pin cores)."""
+        ray = self._ray
         try:
             addresses = ray.get([a.node_address.remote() for a in self.actors])
             per_node = {ip: sum(1 for a, _ in addresses if a == ip) for ip, _ in addresses}
-            # Each rank runs ``cpus`` threads (the CPUs Ray reserved for it); Ray does not pin cores.
-            worker_config = dataclasses.replace(config, cpu_threads=cpus)
             infos = ray.get([a.init_worker.remote(worker_config, hf_config, max_model_len, max_num_batched_tokens,
-                                                  r, world, addresses[0], per_node[addresses[r][0]])
+                                                  r, self.world_size, addresses[0], per_node[addresses[r][0]])
                              for r, a in enumerate(self.actors)])
         except Exception as e:
             self._kill()
             raise RuntimeError(f"Ray workers failed to start: {e}") from e
-        self.num_blocks = infos[0]["num_blocks"]
-        self.max_model_len = infos[0]["max_model_len"]
-        self.sliding_window = infos[0]["sliding_window"]
-        self.weight_bytes_per_rank = [i["weight_bytes"] for i in infos]
-        self._num_forward_tokens = 0
-        logger.info("Ray executor: %d workers on nodes %s, %d CPUs%s each", world, [ip for ip, _ in addresses],
-                    cpus, " + 1 GPU" if use_gpu else "")
-        self._sentinels = {a.sentinel.remote(): r for r, a in enumerate(self.actors)}
-        self._monitor = threading.Thread(target=self._watch, name="pagedllm-ray-monitor", daemon=True)
-        self._monitor.start()
+        return addresses, infos
 
     # ---- failure ------------------------------------------------------------------------------
     def _watch(self) -> None:

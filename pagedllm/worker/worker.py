@@ -282,8 +282,22 @@ class Worker:
     def initialize_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` (the same on every rank); lower max_model_len to what they hold
         when the user did not set it (every rank computes the same value)."""
-        spec = self.kv_spec
         leader = get_tp_group().rank == 0
+        self.max_model_len = self._fit_max_model_len(num_blocks, leader)
+        self.num_blocks = num_blocks
+        self._allocate_kv_cache(num_blocks)
+        self.kv_tier = self._make_kv_tier()
+        spec = self.kv_spec
+        self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed,
+                                  RunnerPlugins(lora=self.lora, spec=self._spec_plugin(num_blocks),
+                                                graphs=self.platform.graph_plugin(self), kv_tier=self.kv_tier,
+                                                logits=self._logits_plugin()))
+        if leader:
+            self._log_memory_plan(num_blocks)
+
+    def _fit_max_model_len(self, num_blocks: int, leader: bool) -> int:
+        """The max_model_len ``num_blocks`` hold (lowered only where the user did not set it)."""
+        spec = self.kv_spec
         try:
             fitted = fit_max_model_len(num_blocks, spec.block_size, self.max_model_len,
                                        user_set=self.config.max_model_len is not None,
@@ -295,8 +309,12 @@ class Worker:
             logger.warning("max_model_len lowered from %d (the model's max_position_embeddings) to %d, what the KV "
                            "cache holds (%d blocks x %d tokens); give it more memory for longer contexts",
                            self.max_model_len, fitted, num_blocks, spec.block_size)
-        self.max_model_len = fitted
-        self.num_blocks = num_blocks
+        return fitted
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        """The cache tensors (and their scales), the CPU idle prefault's plan, each attention
+        layer bound to its slice."""
+        spec = self.kv_spec
         self.kv_cache, self.kv_scales = spec.allocate(num_blocks, self.device, self.config.cpu_kv_cache_prefault)
         self.kv_idle_prefault = None
         idle_bytes = self.config.cpu_kv_cache_idle_prefault
@@ -308,39 +326,37 @@ class Worker:
                 layer.bind(self.backend, self.kv_cache[:, i])
             else:
                 layer.bind(self.backend, self.kv_cache[:, i], self.kv_scales[:, i])
-        self.kv_tier = self._make_kv_tier()
-        self.runner = ModelRunner(self.model, spec.block_size, self.hf_config.vocab_size, self.device, self.config.seed,
-                                  RunnerPlugins(lora=self.lora, spec=self._spec_plugin(num_blocks),
-                                                graphs=self.platform.graph_plugin(self), kv_tier=self.kv_tier,
-                                                logits=self._logits_plugin()))
-        if leader:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            tokens = num_blocks * spec.block_size
-            pp = get_pp_group()
-            where = "per rank"
-            if pp.world_size > 1:  # this stage's weights and cache: its own layers only (a supports_pp family's
-                start, end = self.model.model.start, self.model.model.end  # decoder stack, models/pipeline.py)
-                where += f", pipeline stage {pp.rank} of {pp.world_size}: layers {start}..{end - 1}"
-            logger.info("memory plan (%s): weights %s; activations %s%s (%d tokens per step); KV cache %s = %d "
-                        "blocks x %d tokens = %d tokens (%s per token); max concurrency at max_model_len %d: %.1f",
-                        where, gib(weights), "~" if self.platform.estimates_activations else "", gib(self.activation_bytes),
-                        self.max_num_batched_tokens, gib(num_blocks * spec.bytes_per_block), num_blocks,
-                        spec.block_size, tokens, gib(spec.bytes_per_block // spec.block_size), self.max_model_len,
-                        tokens / self.max_model_len)
-            logger.info("KV cache budget: %s", self.budget_note)
-            if spec.quant is not None:
-                auto = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, self.dtype,
-                                   spec.planes)
-                logger.info("KV cache dtype %s (a bfloat16 scale per token and kv head): %d bytes per token where %s "
-                            "takes %d: %.2fx the tokens in the same memory", spec.quant.name, spec.bytes_per_token,
-                            str(self.dtype).removeprefix("torch."), auto.bytes_per_token,
-                            auto.bytes_per_token / spec.bytes_per_token)
-            mha = getattr(self.model, "mha_kv_elements_per_token", None)
-            if mha is not None:  # latent attention: say what the cache saves
-                equivalent = mha() * torch.empty((), dtype=spec.dtype).element_size()
-                logger.info("KV cache per token: %d bytes of compressed latent + rope key (the same attention as "
-                            "MHA would cache %d bytes: %.1fx more)", spec.bytes_per_token, equivalent,
-                            equivalent / spec.bytes_per_token)
+
+    def _log_memory_plan(self, num_blocks: int) -> None:
+        """What the weights, activations and KV cache take (the leader rank logs it)."""
+        spec = self.kv_spec
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tokens = num_blocks * spec.block_size
+        pp = get_pp_group()
+        where = "per rank"
+        if pp.world_size > 1:  # this stage's weights and cache: its own layers only (a supports_pp family's
+            start, end = self.model.model.start, self.model.model.end  # decoder stack, models/pipeline.py)
+            where += f", pipeline stage {pp.rank} of {pp.world_size}: layers {start}..{end - 1}"
+        logger.info("memory plan (%s): weights %s; activations %s%s (%d tokens per step); KV cache %s = %d "
+                    "blocks x %d tokens = %d tokens (%s per token); max concurrency at max_model_len %d: %.1f",
+                    where, gib(weights), "~" if self.platform.estimates_activations else "", gib(self.activation_bytes),
+                    self.max_num_batched_tokens, gib(num_blocks * spec.bytes_per_block), num_blocks,
+                    spec.block_size, tokens, gib(spec.bytes_per_block // spec.block_size), self.max_model_len,
+                    tokens / self.max_model_len)
+        logger.info("KV cache budget: %s", self.budget_note)
+        if spec.quant is not None:
+            auto = KVCacheSpec(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size, self.dtype,
+                               spec.planes)
+            logger.info("KV cache dtype %s (a bfloat16 scale per token and kv head): %d bytes per token where %s "
+                        "takes %d: %.2fx the tokens in the same memory", spec.quant.name, spec.bytes_per_token,
+                        str(self.dtype).removeprefix("torch."), auto.bytes_per_token,
+                        auto.bytes_per_token / spec.bytes_per_token)
+        mha = getattr(self.model, "mha_kv_elements_per_token", None)
+        if mha is not None:  # latent attention: say what the cache saves
+            equivalent = mha() * torch.empty((), dtype=spec.dtype).element_size()
+            logger.info("KV cache per token: %d bytes of compressed latent + rope key (the same attention as "
+                        "MHA would cache %d bytes: %.1fx more)", spec.bytes_per_token, equivalent,
+                        equivalent / spec.bytes_per_token)
 
     def _make_kv_tier(self):
         """The KV offload tier's store and copies (worker/kv_tier/), sized from kv_offloading_size
