@@ -143,6 +143,16 @@ class SchedulerOutput:
         """No token to compute (the step may still move blocks: ``kv_transfers``)."""
         return self.total_num_scheduled_tokens == 0
 
+    @property
+    def has_device_work(self) -> bool:
+        """Tokens to compute or KV tier blocks to move."""
+        return bool(self.num_scheduled_tokens or self.kv_transfers)
+
+    @property
+    def has_work(self) -> bool:
+        """Anything for the workers: device work, or requests whose state they drop."""
+        return bool(self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids or self.kv_transfers)
+
     def without_grammar(self) -> "SchedulerOutput":
         """The step as ranks that do not sample need it (the masks stay with the sampling rank)."""
         return self if self.grammar is None else replace(self, grammar=None)

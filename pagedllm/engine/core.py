@@ -1,7 +1,8 @@
-"""EngineCore: schedule -> execute -> update, over the scheduler, KV cache manager and executor.
+"""EngineCore: schedule -> execute -> update, over the scheduler, KV cache manager and executor,
+in one step loop whose depth is a policy (engine/in_flight.py).
 
 Pipeline parallelism (P stages): a step's batch occupies one stage at a time, so the engine keeps
-up to P batches in flight (``_step_pipelined``): it schedules and submits batches while fewer
+up to P batches in flight (``Pipelined``): it schedules and submits batches while fewer
 than P are out, and otherwise collects the oldest one's output. With P batches out every stage
 has one to work on in the steady state; more would only queue at stage 0, fewer leaves a stage
 idle. A request in a batch in flight is not scheduled again until that batch's output is back
@@ -22,6 +23,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_tier import KVTier
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
+from pagedllm.engine.in_flight import Pipelined, in_flight_policy
 from pagedllm.executor.base import Executor
 from pagedllm.models.config_json import load_hf_config
 from pagedllm.spec_decode.governor import scheduler_settings
@@ -54,11 +56,11 @@ class EngineCore:
             self.max_model_len = self.executor.max_model_len
             self.max_num_batched_tokens = min(self.max_num_batched_tokens,
                                               resolve_max_num_batched_tokens(config, self.max_model_len))
-        # Async scheduling (_step_async): step N+1 is scheduled and submitted while step N runs,
-        # for the same requests; else steps kept in flight as micro-batches: one per pipeline
-        # stage, or what an asynchronous executor runs at once (executor/simulated.py).
-        self.async_scheduling = config.async_scheduling
-        self.batch_depth = 2 if self.async_scheduling else self.executor.max_concurrent_batches
+        # How many steps are in flight (engine/in_flight.py): async scheduling's two overlapping
+        # steps, micro-batches (one per pipeline stage, or what an asynchronous executor runs at
+        # once: executor/simulated.py), or one at a time.
+        async_scheduling = config.async_scheduling
+        self.batch_depth = 2 if async_scheduling else self.executor.max_concurrent_batches
         tier_spec = self.executor.kv_tier_spec
         tier = (KVTier(tier_spec.num_slots, tier_spec.bytes_per_block, tier_spec.backend) if tier_spec is not None
                 else None)
@@ -72,7 +74,7 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
             max_loras=config.max_loras if config.enable_lora else 0,
             max_loras_per_step=config.max_loras_per_step or 0,
-            max_batches_in_flight=1 if self.async_scheduling else self.batch_depth,
+            max_batches_in_flight=1 if async_scheduling else self.batch_depth,
             send_new_token_ids=config.pipeline_parallel_size > 1,  # the last stage samples, the others learn the ids
             scheduling_policy=config.scheduling_policy,
             max_num_seqs_per_request=resolve_max_num_seqs_per_request(config),
@@ -93,7 +95,8 @@ class EngineCore:
         self.last_timing = StepTiming()  # the last step's phases
         self._phase = [0.0, 0.0, 0.0]
         self._last_mark = 0.0
-        self._batch_queue: deque = deque()  # pipeline parallel: submitted SchedulerOutputs, oldest first
+        self._batch_queue: deque = deque()  # the steps in flight, oldest first: (SchedulerOutput, mode, tag)
+        self.in_flight = in_flight_policy(self, async_scheduling, self.batch_depth)
 
     def _make_executor(self, factory=None) -> Executor:
         """``factory(config, hf_config, max_model_len, max_num_batched_tokens)``: another executor
@@ -182,118 +185,32 @@ class EngineCore:
         self._last_mark = now
 
     def _step(self) -> list[EngineCoreOutput]:
-        if self.async_scheduling:
-            return self._step_async()
-        if self.batch_depth > 1:
-            return self._step_pipelined()
-        return self._step_sync()
+        """The one step loop: schedule and submit a step while fewer than the policy's depth are
+        in flight (engine/in_flight.py), else (or when nothing new was worth submitting) land the
+        oldest one and apply its output. A step submitted under another mode (async scheduling's
+        overlapped steps before a synchronous one) lands under the mode it was launched with."""
+        mode, queue = self.in_flight.mode(), self._batch_queue
+        if len(queue) < mode.depth:
+            so = self.scheduler.schedule()
+            self._mark(0)
+            if mode.submits(so):
+                queue.append((so, mode, mode.launch(so)))
+                self._mark(1)
+                if so.num_scheduled_tokens and len(queue) < mode.depth:
+                    return []  # room for another step: this one's output lands with a later call
+        return self._land_oldest() if queue else []
 
-    def _step_sync(self) -> list[EngineCoreOutput]:
-        scheduler_output = self.scheduler.schedule()
-        self._mark(0)
+    def _land_oldest(self) -> list[EngineCoreOutput]:
+        so, mode, tag = self._batch_queue.popleft()
         try:
-            runner_output = self.executor.execute(scheduler_output)
-            self._mark(1)
+            runner_output = mode.land(so)
         except Exception:
             if self.executor.is_dead:  # e.g. a tensor-parallel rank is gone: nothing to save
                 raise
-            logger.exception("step failed (%d requests); isolating the request that caused it",
-                             len(scheduler_output.num_scheduled_tokens))
-            return self._isolate(scheduler_output)
-        outputs = self._update(scheduler_output, runner_output)
-        self._mark(2)
-        return outputs
-
-    # ---- async scheduling -------------------------------------------------------------------
-    def _step_async(self) -> list[EngineCoreOutput]:
-        """Schedule and submit step N+1, then collect step N and apply its output, so the host's
-        scheduling, output handling (and the front end's, between two calls) overlap the
-        device's step N+1. A request sampling in step N is scheduled in N+1 past that token
-        (``Request.num_pending``): the worker appends what it samples to its own request state,
-        so N+1's input is N's token without the host knowing it. Exact by construction: only
-        known tokens are hashed into prefix-cache blocks; a request whose token in flight is
-        its last (max_tokens, max_model_len) is not scheduled past it; one that finishes on N's
-        token (a stop token, an abort) is simply dropped from N+1's output; one preempted while
-        its token is in flight keeps that token (it waits for it before it is admitted again).
-        Steps with a beam search or a constrained request running (their next step depends on
-        the token: beams fork, grammars mask) go one at a time, after the steps in flight."""
-        queue = self._batch_queue
-        if not self._can_overlap():
-            return self._collect_async() if queue else self._step_sync()
-        if len(queue) < self.batch_depth:
-            so = self.scheduler.schedule()
-            self._mark(0)
-            if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids or so.kv_transfers:
-                sampling = self.scheduler.mark_pending(so)
-                self.executor.submit(so)
-                self._mark(1)
-                queue.append((so, sampling))
-                if so.num_scheduled_tokens and len(queue) < self.batch_depth:
-                    return []  # the first step in flight: its output is collected with the next call
-        return self._collect_async() if queue else []
-
-    def _can_overlap(self) -> bool:
-        """No beam search and no constrained request running (a constrained request admitted by
-        this step's schedule has no token in flight: its mask is right; the next step drains)."""
-        structured = self.structured
-        return not self.scheduler.beam_groups and not (structured is not None and structured.manager.matchers)
-
-    def _collect_async(self) -> list[EngineCoreOutput]:
-        so, sampling = self._batch_queue.popleft()
-        try:
-            runner_output = self.executor.collect()
-        except Exception:
-            if self.executor.is_dead:
-                raise
-            logger.exception("step failed (%d requests); isolating the request that caused it",
-                             len(so.num_scheduled_tokens))
-            return self._recover_async(so, sampling)
+            return mode.failed(so, tag)
         self._mark(1)
         outputs = self._update(so, runner_output)
-        self.scheduler.settle_pending(sampling)
-        self._mark(2)
-        return outputs
-
-    def _recover_async(self, failed, sampling: list[Request]) -> list[EngineCoreOutput]:
-        """A step in flight raised: the one submitted after it ran on states it left unknown, so
-        its requests are rewound (recomputed later) and the failed step is isolated as usual."""
-        later = list(self._batch_queue)
-        self._batch_queue.clear()
-        for _ in later:
-            try:
-                self.executor.collect()
-            except Exception:
-                pass  # the failure is the first step's; these are redone
-        for reqs in [sampling] + [s for _, s in later]:
-            self.scheduler.settle_pending(reqs, all_of_them=True)
-        for so, _ in reversed(later):
-            self.scheduler.rewind(so)
-        self._mark(1)
-        return self._isolate(failed)
-
-    def _step_pipelined(self) -> list[EngineCoreOutput]:
-        """Submit a new batch while fewer than pipeline_parallel_size are in flight; else (or
-        when nothing new can be scheduled) collect the oldest batch's output. A failure here is
-        the engine's: the stages are out of step, so no request is retried."""
-        queue, sched = self._batch_queue, self.scheduler
-        if len(queue) < self.batch_depth:
-            # the scheduler's InFlightBatches constraint splits the requests into micro-batches
-            so = sched.schedule()
-            self._mark(0)
-            if so.num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids or so.kv_transfers:
-                self.executor.submit(so)
-                self._mark(1)
-                queue.append(so)
-                self.scheduler.batch_submitted(so)
-                if so.num_scheduled_tokens and len(queue) < self.batch_depth:
-                    return []  # room for another batch: its output is collected later
-        if not queue:
-            return []
-        so = queue.popleft()
-        runner_output = self.executor.collect()
-        self._mark(1)
-        self.scheduler.batch_returned(so)
-        outputs = self._update(so, runner_output)
+        mode.applied(tag)
         self._mark(2)
         return outputs
 
@@ -354,7 +271,7 @@ class EngineCore:
         """What the front end checks requests against."""
         c = self.config
         return EngineLimits(self.max_model_len, c.max_num_seqs, self.max_num_batched_tokens, self.num_blocks,
-                            c.block_size, c.max_n, pipeline_parallel=self.batch_depth > 1 and not self.async_scheduling,
+                            c.block_size, c.max_n, pipeline_parallel=isinstance(self.in_flight, Pipelined),
                             speculative=c.speculative_config is not None, step_cost=self._step_cost())
 
     def _step_cost(self):
