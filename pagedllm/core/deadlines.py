@@ -10,7 +10,7 @@ dropped when they reach the top.
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import Callable, Optional
 
 
 class DeadlineWatch:
@@ -20,10 +20,11 @@ class DeadlineWatch:
     def __len__(self) -> int:
         return len(self._heap)
 
-    def add(self, request_id: str, deadline: float) -> None:
+    def add(self, request_id: str, deadline: Optional[float]) -> None:
         """``deadline``: time.monotonic() seconds (system-wide on Linux, so a front end in another
-        process sets it on the same clock)."""
-        heapq.heappush(self._heap, (deadline, request_id))
+        process sets it on the same clock); None: the request has none."""
+        if deadline is not None:
+            heapq.heappush(self._heap, (deadline, request_id))
 
     def expired(self, now: float, is_live: Callable[[str], bool]) -> list[str]:
         """The live requests whose deadline is at or before ``now``, taken off the watch."""

@@ -21,6 +21,7 @@ until the allocation succeeds or the unit itself was the victim.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class Scheduler:
         # LoRA's AdapterSlots and pipeline parallelism's in-flight set, for the engine, stats and tests
         self.lora_slots = next((c.slots for c in self.constraints if isinstance(c, LoRASlots)), None)
         self._pipeline = next((c for c in self.constraints if isinstance(c, InFlightBatches)), None)
+        # a request's most new tokens a step (long_prefill_token_threshold; 0: the budget alone)
+        threshold = limits.long_prefill_token_threshold
+        self._prefill_cap = threshold if threshold > 0 else sys.maxsize
         self.requests: dict[str, Request] = {}
         self.table = RequestTable(max(8, limits.max_num_seqs))  # plain requests' rows (core/request_table.py)
         kv_cache_manager.track_row(self.table.capacity - 1)
@@ -148,8 +152,7 @@ class Scheduler:
             self.kv.track_row(self.table.add(request, self.limits.max_model_len))
         self.requests[request.request_id] = request
         self.policy.enqueue(self.waiting, request)
-        if request.deadline is not None:
-            self.deadlines.add(request.request_id, request.deadline)
+        self.deadlines.add(request.request_id, request.deadline)
 
     # ---- steps in flight (the engine core tells; the scheduler writes its own state) --------
     def mark_pending(self, so: SchedulerOutput) -> list[Request]:
@@ -170,13 +173,12 @@ class Scheduler:
             req.num_pending = 0 if all_of_them else req.num_pending - 1
 
     def batch_submitted(self, so: SchedulerOutput) -> None:
-        """A micro-batch is in flight (pipeline stages): its requests wait for its output."""
-        if self._pipeline is not None:
-            self._pipeline.in_flight.update(so.num_scheduled_tokens)
+        """A micro-batch is in flight (pipeline stages; only with ``max_batches_in_flight`` > 1):
+        its requests wait for its output."""
+        self._pipeline.in_flight.update(so.num_scheduled_tokens)
 
     def batch_returned(self, so: SchedulerOutput) -> None:
-        if self._pipeline is not None:
-            self._pipeline.in_flight.difference_update(so.num_scheduled_tokens)
+        self._pipeline.in_flight.difference_update(so.num_scheduled_tokens)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self._failed)
@@ -354,9 +356,7 @@ class Scheduler:
 
     # ---- what units use ---------------------------------------------------------------------
     def cap(self, num_new: int, budget: int) -> int:
-        if self.limits.long_prefill_token_threshold > 0:
-            num_new = min(num_new, self.limits.long_prefill_token_threshold)
-        return min(num_new, budget)
+        return min(num_new, self._prefill_cap, budget)
 
     def fits_step(self, unit: SchedulingUnit) -> bool:
         return not self.constraints or all(c.fits_step(unit) for c in self.constraints)
@@ -514,8 +514,8 @@ class Scheduler:
     # ---- results ----------------------------------------------------------------------------
     def update_from_output(self, so: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        if so.kv_transfers:  # first: whatever fails below, the tier's loads are accounted for
-            self.kv.finish_transfers(so.kv_transfers, runner_output.failed_kv_loads, runner_output.kv_transfer_seconds)
+        # first: whatever fails below, the tier's loads are accounted for
+        self.kv.finish_transfers(so.kv_transfers, runner_output.failed_kv_loads, runner_output.kv_transfer_seconds)
         requests, running = self.requests, RequestStatus.RUNNING
         reqs = [requests.get(rid) for rid in runner_output.req_ids]
         sampled = runner_output.sampled_token_ids

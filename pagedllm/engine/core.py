@@ -24,6 +24,8 @@ from pagedllm.core.kv_tier import KVTier
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler, SchedulerLimits
 from pagedllm.engine.in_flight import Pipelined, in_flight_policy
+from pagedllm.engine.structured_outputs import close_grammar_source, grammar_source
+from pagedllm.executor import executor_class
 from pagedllm.executor.base import Executor
 from pagedllm.models.config_json import load_hf_config
 from pagedllm.spec_decode.governor import scheduler_settings
@@ -81,16 +83,8 @@ class EngineCore:
             **spec_limits,
         )
         self.tokenizer = tokenizer
-        self.structured = None  # the scheduler's grammar source (constrained decoding needs the tokenizer)
-        if tokenizer is not None:  # xgrammar is imported on first use
-            from pagedllm.engine.structured_outputs import StructuredOutputs
-            from pagedllm.structured_output.backend import CompileIsolation
-            from pagedllm.structured_output.limits import CompileLimits
-            from pagedllm.structured_output.manager import StructuredOutputManager
-
-            self.structured = StructuredOutputs(
-                StructuredOutputManager(tokenizer, self.hf_config.vocab_size, list(eos_token_ids),
-                                        CompileLimits.from_config(config), CompileIsolation.from_config(config)))
+        # the scheduler's grammar source (None without a tokenizer: constrained decoding needs one)
+        self.structured = grammar_source(tokenizer, self.hf_config.vocab_size, eos_token_ids, config)
         self.scheduler = Scheduler(limits, self.kv_cache_manager, spec_governor=governor, grammars=self.structured)
         self.last_timing = StepTiming()  # the last step's phases
         self._phase = [0.0, 0.0, 0.0]
@@ -101,20 +95,8 @@ class EngineCore:
     def _make_executor(self, factory=None) -> Executor:
         """``factory(config, hf_config, max_model_len, max_num_batched_tokens)``: another executor
         (executor/simulated.py's simulated device) instead of the configured one."""
-        args = (self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
-        if factory is not None:
-            return factory(*args)
-        if self.config.distributed_executor_backend == "ray":
-            from pagedllm.executor.ray_executor import RayExecutor
-
-            return RayExecutor(*args)
-        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:
-            from pagedllm.executor.multiproc import MultiprocExecutor
-
-            return MultiprocExecutor(*args)
-        from pagedllm.executor.uniproc import UniprocExecutor
-
-        return UniprocExecutor(*args)
+        make = factory if factory is not None else executor_class(self.config)
+        return make(self.config, self.hf_config, self.max_model_len, self.max_num_batched_tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -127,22 +109,19 @@ class EngineCore:
             self.scheduler.add_request(req)
 
     def _core_requests(self, r: EngineCoreRequest) -> list[Request]:
-        extra = {"priority": r.priority} if r.priority else {}  # refused by the server unless the policy is "priority"
-        if r.mm_features:  # its images: placeholder spans (hashed into its blocks) and the encoder's inputs
-            extra["mm_features"] = r.mm_features
-        if r.deadline is not None:  # every child (or the beam group) ends with it
-            extra["deadline"] = r.deadline
+        # priority: refused by the server unless the policy is "priority"; mm_features: its images
+        # (placeholder spans hashed into its blocks, the encoder's inputs); deadline: every child
+        # (or the beam group) ends with it
+        common = dict(max_tokens=r.max_tokens, arrival_time=r.arrival_time, cache_salt=r.cache_salt,
+                      priority=r.priority, mm_features=r.mm_features, deadline=r.deadline)
         if r.beam is not None:
             from pagedllm.engine.beam_search import make_beam_group
 
-            req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, max_tokens=r.max_tokens,
-                          arrival_time=r.arrival_time, cache_salt=r.cache_salt, **extra)
+            req = Request(r.request_id, r.prompt_token_ids, r.sampling_params, **common)
             req.beam = make_beam_group(r, self.tokenizer)
             return [req]
-        if r.num_children > 1:  # the children share the request's part of the running slots
-            extra["parent_id"] = r.request_id
-        return [Request(cid, r.prompt_token_ids, r.child_params(i), max_tokens=r.max_tokens,
-                        arrival_time=r.arrival_time, cache_salt=r.cache_salt, lora=r.lora, **extra)
+        parent_id = r.request_id if r.num_children > 1 else None  # the children share the request's running slots
+        return [Request(cid, r.prompt_token_ids, r.child_params(i), lora=r.lora, parent_id=parent_id, **common)
                 for i, cid in enumerate(r.child_ids)]
 
     def abort_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -226,7 +205,7 @@ class EngineCore:
         outputs: list[EngineCoreOutput] = []
         for group in (ids[:half], ids[half:]):
             so = self.scheduler.schedule(only=set(group))
-            if not so.num_scheduled_tokens and not so.kv_transfers:
+            if not so.has_device_work:
                 continue
             try:
                 runner_output = self.executor.execute(so)
@@ -294,6 +273,5 @@ class EngineCore:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        if self.structured is not None:
-            self.structured.manager.shutdown()
+        close_grammar_source(self.structured)
         self.executor.shutdown()

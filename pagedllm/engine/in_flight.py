@@ -123,7 +123,7 @@ class AsyncScheduling:
         """No beam search and no constrained request running (a constrained request admitted by
         this step's schedule has no token in flight: its mask is right; the next step drains)."""
         structured = self.core.structured
-        return not self.core.scheduler.beam_groups and not (structured is not None and structured.manager.matchers)
+        return not self.core.scheduler.beam_groups and not (structured is not None and structured.num_matching)
 
 
 class Pipelined:

@@ -12,12 +12,34 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from pagedllm.core.contracts import GrammarBitmask
 from pagedllm.core.grammar_wait import Advance
 from pagedllm.core.request import Request
-from pagedllm.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
+
+def grammar_source(tokenizer, vocab_size: int, eos_token_ids, config) -> Optional["StructuredOutputs"]:
+    """The engine's grammar source over a new StructuredOutputManager, or None without a
+    tokenizer (constrained requests are then refused). xgrammar is imported on first use."""
+    if tokenizer is None:
+        return None
+    from pagedllm.structured_output.backend import CompileIsolation
+    from pagedllm.structured_output.limits import CompileLimits
+    from pagedllm.structured_output.manager import StructuredOutputManager
+
+    return StructuredOutputs(StructuredOutputManager(tokenizer, vocab_size, list(eos_token_ids),
+                                                     CompileLimits.from_config(config),
+                                                     CompileIsolation.from_config(config)))
+
+
+def close_grammar_source(source: Optional["StructuredOutputs"]) -> None:
+    """Shut its manager's compile pool down (nothing without one)."""
+    if source is not None:
+        source.manager.shutdown()
 
 
 class StructuredOutputs:
@@ -28,6 +50,11 @@ class StructuredOutputs:
     @property
     def num_compiling(self) -> int:
         return len(self.compiling)
+
+    @property
+    def num_matching(self) -> int:
+        """Constrained requests running (their matchers started)."""
+        return len(self.manager.matchers)
 
     def submit(self, request: Request) -> None:
         fut = self.manager.submit(request.sampling_params.structured_outputs)

@@ -18,6 +18,24 @@ import torch
 from pagedllm.core.contracts import MultiModalFeature
 
 
+class NoImages:
+    """A text-only model's encoder cache: requests carry no images (the front end refuses them)."""
+
+    def add(self, req_id: str, features: tuple) -> None:
+        pass
+
+    def drop(self, req_id: str) -> None:
+        pass
+
+    def step_embeds(self, req_ids, starts, num_scheduled, query_start_loc) -> None:
+        return None
+
+
+def encoder_cache_for(model, device: torch.device):
+    """A multimodal model's EncoderCache, or NoImages."""
+    return EncoderCache(model, device) if getattr(model, "supports_multimodal", False) else NoImages()
+
+
 class EncoderCache:
     def __init__(self, model, device: torch.device) -> None:
         self.model = model  # has embed_images(pixel_values [N, 3, H, W]) -> [N, positions, hidden]

@@ -32,10 +32,10 @@ from pagedllm.core.contracts import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.parallel_state import get_pp_group, get_tp_group
 from pagedllm.sample.metadata import is_plain_greedy
 from pagedllm.worker.beam_rows import BeamRows
-from pagedllm.worker.encoder_cache import EncoderCache
+from pagedllm.worker.encoder_cache import encoder_cache_for
 from pagedllm.worker.input_batch import CachedRequestState, InputBatch, StepInputs
 from pagedllm.worker.pipeline_stage import pipeline_stage
-from pagedllm.worker.runner_plugins import RunnerPlugins, whole_model_forward
+from pagedllm.worker.runner_plugins import NoKVTier, RunnerPlugins, whole_model_forward
 from pagedllm.worker.sampling_rank import sampling_rank
 
 
@@ -58,10 +58,10 @@ class ModelRunner:
         self._num_prompt_logprob_rows = 0
         self.num_forward_tokens = 0
         self.lora = plugins.lora
-        self.kv_tier = plugins.kv_tier
+        self.kv_tier = plugins.kv_tier if plugins.kv_tier is not None else NoKVTier()
         self.spec = plugins.spec(self.sampling.generator)
         # a multimodal model: its requests' images and the encoder outputs their prefill still needs
-        self.encoder_cache = EncoderCache(model, device) if getattr(model, "supports_multimodal", False) else None
+        self.encoder_cache = encoder_cache_for(model, device)
 
     # ---- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -105,8 +105,6 @@ class ModelRunner:
         """The step's KV offload tier moves; the output fields reporting them (none without)."""
         if not so.kv_transfers:
             return {}
-        if self.kv_tier is None:
-            raise RuntimeError("the scheduler planned KV offload tier transfers but this worker has no tier")
         failed, seconds = self.kv_tier.run(so.kv_transfers)
         return {"failed_kv_loads": failed, "kv_transfer_seconds": seconds}
 
@@ -135,8 +133,7 @@ class ModelRunner:
                 beam=nr.beam,
                 lora_slot=nr.lora_slot,
             )
-            if nr.mm_features and self.encoder_cache is not None:
-                self.encoder_cache.add(nr.req_id, nr.mm_features)
+            self.encoder_cache.add(nr.req_id, nr.mm_features)
             self.beams.add(nr.beam)
             self._num_prompt_logprob_rows += nr.sampling_params.prompt_logprobs is not None
         table = self.block_table
@@ -155,8 +152,7 @@ class ModelRunner:
             self.batch.remove(st.row)
             self.beams.remove(st.beam)
             self._num_prompt_logprob_rows -= st.sampling_params.prompt_logprobs is not None
-        if self.encoder_cache is not None:
-            self.encoder_cache.drop(req_id)
+        self.encoder_cache.drop(req_id)
 
     # ---- 2. prepare inputs ------------------------------------------------------------------
     def _prepare_inputs(self, so: SchedulerOutput, drafts: Optional[dict[str, list[int]]] = None,
@@ -187,7 +183,7 @@ class ModelRunner:
         logits_indices = qsl[1:][sample_rows] - 1
 
         dev = self.device
-        mm = None if self.encoder_cache is None else self.encoder_cache.step_embeds(req_ids, starts, n_sched, qsl)
+        mm = self.encoder_cache.step_embeds(req_ids, starts, n_sched, qsl)
         return StepInputs(
             req_ids=req_ids,
             states=states,

@@ -78,6 +78,13 @@ class NoSpec:
         pass
 
 
+class NoKVTier:
+    """A worker without a KV offload tier: the scheduler never plans transfers for it."""
+
+    def run(self, transfers):
+        raise RuntimeError("the scheduler planned KV offload tier transfers but this worker has no tier")
+
+
 @dataclass(frozen=True)
 class RunnerPlugins:
     """What a worker gives its runner. ``spec`` is a factory: the verifier draws from the sampling
