@@ -256,12 +256,12 @@ class EngineCore:
     def _step_cost(self):
         """The per-rank performance model of a step (metrics/perf_model.py), from the config and
         the weights loaded; None where the checkpoint's config lacks a decoder's fields."""
-        from pagedllm.attention.kv_quant import SCALE_DTYPE, kv_quant
+        from pagedllm.attention.kv_quant import SCALE_DTYPE, kv_quant, kv_storage_dtype
         from pagedllm.metrics.perf_model import step_cost_model
         from pagedllm.worker.worker import resolve_device, resolve_dtype
 
         c, quant = self.config, kv_quant(self.config.kv_cache_dtype)
-        dtype = quant.dtype if quant is not None else resolve_dtype(c.dtype, self.hf_config, resolve_device(c.device))
+        dtype = kv_storage_dtype(c.kv_cache_dtype, resolve_dtype(c.dtype, self.hf_config, resolve_device(c.device)))
         try:
             return step_cost_model(self.hf_config, c.tensor_parallel_size * c.pipeline_parallel_size,
                                    self.executor.weight_bytes_per_rank, dtype.itemsize,

@@ -94,14 +94,16 @@ def test_capacity_at_least_1_9x_bfloat16(make_ckpt):
 def test_bfloat16_cache_under_a_float32_model(llama_ckpt):
     """kv_cache_dtype bfloat16 under float32 weights: the planes are bfloat16 (2x the tokens of the
     float32 cache in the same memory) while the activations stay float32."""
-    tokens = {}
+    tokens, kv_bytes = {}, {}
     for name in ("auto", "bfloat16"):
         llm = LLM(model=llama_ckpt, dtype="float32", kv_cache_dtype=name, kv_cache_memory=4 << 20, max_num_seqs=1024)
         worker = llm.engine.core.executor.worker
         assert worker.kv_cache.dtype == (torch.bfloat16 if name == "bfloat16" else torch.float32)
         assert worker.dtype == torch.float32
         tokens[name] = llm.get_stats().num_total_blocks * 16
+        kv_bytes[name] = llm.engine.core.limits().step_cost.kv_bytes_per_token  # the bandwidth metrics' model
     assert tokens["bfloat16"] >= 1.95 * tokens["auto"]
+    assert kv_bytes["bfloat16"] * 2 == kv_bytes["auto"]
 
 
 @pytest.fixture(scope="module")
