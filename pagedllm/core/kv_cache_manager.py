@@ -211,11 +211,14 @@ class KVCacheManager:
             raise ValueError("num_new_tokens must be > 0")
         held = self.req_blocks.get(request.request_id)
         if held is not None and not new_computed_blocks and not num_new_computed_tokens and self.sliding_window is None:
-            # the usual decode step: its slots are in the blocks it holds and no block fills up (the
-            # general path below would do nothing)
+            # the usual decode step: its slots are in the blocks it holds and no block of known
+            # tokens fills up (the general path below would do nothing; a block whose last token is
+            # still being sampled by a step in flight is registered once that token is known)
             after = request.num_computed_tokens + num_new_tokens
-            if -(-after // self.block_size) <= len(held) and (not self.enable_prefix_caching or after // self.block_size
-                                                               <= self.num_cached_blocks.get(request.request_id, 0)):
+            if -(-after // self.block_size) <= len(held) and (
+                    not self.enable_prefix_caching
+                    or min(after, len(request.all_token_ids)) // self.block_size
+                    <= self.num_cached_blocks.get(request.request_id, 0)):
                 return []
             return self._extend(request, held, after)
         new_computed_blocks = new_computed_blocks or []

@@ -148,3 +148,22 @@ def test_block_states_follow_holders_and_the_prefix_cache():
     states = kv.block_states()
     assert states.count(BLOCK_IN_USE) == states.count(BLOCK_SHARED) == 0
     assert states.count(BLOCK_CACHED) == 3  # a's three full blocks stay in the prefix cache, evictable
+
+
+def test_a_block_filled_by_a_token_in_flight_is_registered_once_that_token_is_known():
+    """Async scheduling schedules a request past its token in flight: the block that token
+    completes cannot be hashed yet (and the decode fast path takes it), but the next step, with
+    the token known, registers it, so a later request hits it."""
+    kv = KVCacheManager(16, 4, True)
+    r = make_req("a", [1, 2, 3])
+    kv.allocate_slots(r, 3)
+    r.num_computed_tokens = 3
+    r.num_pending = 1  # its 4th token is being sampled by the step in flight
+    assert kv.allocate_slots(r, 1) == []  # position 3 is in block 0; its token is unknown
+    assert not kv.pool.cached
+    r.num_computed_tokens = 4
+    r.append_output_token(7)
+    r.num_pending = 0
+    assert len(kv.allocate_slots(r, 1)) == 1  # a fresh block for position 4, and block 0 registered
+    hits, n = kv.get_computed_blocks(make_req("b", [1, 2, 3, 7, 9]))
+    assert n == 4 and [b.block_id for b in hits] == kv.get_block_ids("a")[:1]
