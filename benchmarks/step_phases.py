@@ -76,8 +76,11 @@ def main() -> None:
         engine.add_request(None, {"prompt_token_ids": ids},
                            SamplingParams(temperature=0.0, max_tokens=olen, ignore_eos=True))
     generated = token_steps = 0
+    step_walls = []  # each engine.step() call, front end included
     while engine.has_unfinished_requests():
+        t_step = time.perf_counter()
         outs = engine.step()
+        step_walls.append(time.perf_counter() - t_step)
         token_steps += bool(engine.last_core_outputs.outputs)  # brought tokens (async scheduling: not the first step)
         for out in outs:
             if out.finished:
@@ -98,6 +101,9 @@ def main() -> None:
         xs = sorted(xs)
         return round(1000 * xs[min(len(xs) - 1, int(q * len(xs)))], 3)
 
+    # the steady decode steps: without the first (admitting every request) and the last (retiring them)
+    steady = step_walls[1:-1] if len(step_walls) > 2 else step_walls
+    steady_ms = 1000 * statistics.fmean(steady) if steady else 0.0
     rows = [{"phase": p, "mean_ms": round(1000 * statistics.fmean(samples[p]), 3) if samples[p] else "",
              "p50_ms": ms(samples[p], 0.5), "p99_ms": ms(samples[p], 0.99)} for p in PHASES]
     print(f"{args.model} {args.dtype}, {args.num_requests} requests, core "
@@ -105,11 +111,14 @@ def main() -> None:
           f"{f', simulated device {args.sim_device * 1000:g} ms ({args.sim_model})' if args.sim_device is not None else ''}"
           f"{', async scheduling' if args.async_scheduling else ''}: "
           f"{len(samples['total'])} steps, {generated} tokens in {wall:.2f} s = {generated / wall:,.1f} tok/s; "
-          f"{1000 * wall / max(token_steps, 1):.3f} ms per step (wall / {token_steps} steps with tokens)"
+          f"{1000 * wall / max(token_steps, 1):.3f} ms per step (wall / {token_steps} steps with tokens, "
+          f"adding and admitting the requests included); steady decode steps {steady_ms:.3f} ms (mean of all but "
+          f"the first and the last step)"
           + (f"; the device busy {device_ms:.3f} ms per step" if device_ms is not None else ""))
     print_table(rows, ["phase", "mean_ms", "p50_ms", "p99_ms"])
     write_json(args.out, {"args": vars(args), "steps": len(samples["total"]), "generated": generated,
-                          "wall_s": wall, "ms_per_step": 1000 * wall / max(token_steps, 1), "device_ms_per_step": device_ms, "tok_per_s": generated / wall, "phases": rows,
+                          "wall_s": wall, "ms_per_step": 1000 * wall / max(token_steps, 1),
+                          "steady_ms_per_step": steady_ms, "device_ms_per_step": device_ms, "tok_per_s": generated / wall, "phases": rows,
                           "loadavg": open("/proc/loadavg").read().split()[:3]})
 
 
