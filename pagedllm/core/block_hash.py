@@ -12,7 +12,8 @@ without its hash two different images at the same place would share KV blocks.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
+from functools import lru_cache
 from typing import Optional, Protocol, Sequence
 
 NONE_HASH = hashlib.sha256(b"pagedllm-prefix-cache-root").digest()
@@ -26,13 +27,14 @@ class PlaceholderSpan(Protocol):
     content_hash: str
 
 
+@lru_cache(maxsize=64)
+def _uint32_le(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}I")
+
+
 def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Sequence[int], extra_key: Optional[str] = None) -> bytes:
-    h = hashlib.sha256()
-    h.update(parent_hash if parent_hash is not None else NONE_HASH)
-    packed = array("I", token_ids)
-    if packed.itemsize != 4:  # pragma: no cover - exotic platforms
-        packed = array("L", token_ids)
-    h.update(packed.tobytes())
+    h = hashlib.sha256(parent_hash if parent_hash is not None else NONE_HASH)
+    h.update(_uint32_le(len(token_ids)).pack(*token_ids))
     if extra_key:
         h.update(b"\x00extra\x00")
         h.update(extra_key.encode())
@@ -44,6 +46,8 @@ def block_extra_key(index: int, block_size: int, cache_salt: Optional[str],
     """The extra key of block ``index``: the salt on block 0, then ``mm:<hash>@<offset>`` for each
     item overlapping the block's positions (None: the block has none)."""
     salt = cache_salt if index == 0 else None
+    if not mm_spans:
+        return salt
     start, end = index * block_size, (index + 1) * block_size
     items = [f"mm:{s.content_hash}@{s.offset}" for s in mm_spans if s.offset < end and s.offset + s.length > start]
     if not items:
