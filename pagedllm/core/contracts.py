@@ -185,7 +185,7 @@ class ModelRunnerOutput:
     kv_transfer_seconds: float = 0.0
 
 
-class EngineCoreOutput(msgspec.Struct, frozen=True, gc=False):
+class EngineCoreOutput(msgspec.Struct, frozen=True, gc=False, array_like=True):
     # (RequestUnit.on_output builds these positionally: keep the fields in this order)
     req_id: str
     new_token_ids: list[int]

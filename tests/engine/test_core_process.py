@@ -92,3 +92,23 @@ def test_killed_core_process_ends_streams_within_a_second(llama_ckpt):
         t0 = time.monotonic()
         engine.shutdown()
         assert time.monotonic() - t0 < 10  # nothing hangs on a dead core
+
+
+def test_step_outputs_cross_the_pipe_unchanged():
+    """EngineCoreOutputs pickle with their outputs as one msgpack buffer: every field comes back
+    equal, -inf logprobs, int and str stop reasons and beam hypotheses included."""
+    import math
+    import pickle
+
+    from pagedllm.core.contracts import BeamHypothesis, EngineCoreOutput, Logprobs
+    from pagedllm.core.engine_request import EngineCoreOutputs, StepTiming
+
+    lp = Logprobs([[5, 9], [7, 1]], [[-0.25, -math.inf], [-1e-9, -3.5]], [1, 4], 2)
+    outs = EngineCoreOutputs([
+        EngineCoreOutput("a-0", [5, 7], "stop", "w3", lp, lp, 16, None, 1),
+        EngineCoreOutput("b", [], "length", 2, None, None, 0, [BeamHypothesis([5], -0.25, -0.2, [lp], "stop", 7)], 0),
+        EngineCoreOutput("c", [2 ** 40], None, None, None, None, 0, None, 0),
+    ], None, StepTiming(0.1, 0.2, 0.3, 0.6))
+    back = pickle.loads(pickle.dumps(outs, protocol=5))
+    assert back == outs
+    assert type(back.outputs[1].beam_hypotheses[0]) is BeamHypothesis and back.outputs[0].logprobs.start == 2
