@@ -134,15 +134,15 @@ class LlamaModel(nn.Module):
         (hidden, residual) tensors for the next stage. ``intermediate``: the previous stage's;
         ``inputs_embeds``: the first stage's input instead of embedding ``input_ids`` (LLaVA's, with
         image features at the placeholder positions)."""
+        if self.is_first and self.is_last and inputs_embeds is None:  # a decode-only step: all of it natively
+            out = decode_stack.decode_step(self, input_ids, positions, get_attention_metadata(), _NATIVE_KINDS)
+            if out is not None:
+                return out
         if self.is_first:
             h, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
         else:
             h, residual = intermediate
         rope = self.rotary.cos_sin(positions, h.dtype)
-        if self.is_first and self.is_last and inputs_embeds is None:  # a decode-only step: every layer natively
-            out = decode_stack.decode_step(self, h, rope, get_attention_metadata(), _NATIVE_KINDS)
-            if out is not None:
-                return out
         for layer in self.layers[self.start : self.end]:
             h, residual = layer(rope, h, residual)
         if not self.is_last:
@@ -173,7 +173,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = decode_stack.logits(self.model, self.lm_head, hidden)  # the native stack's, once it is built
+        return self.lm_head(hidden) if logits is None else logits
 
     def attention_layers(self) -> list[Attention]:
         """This stage's layers (all of them without pipeline parallelism)."""

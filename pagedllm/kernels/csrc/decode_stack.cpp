@@ -6,9 +6,13 @@
 // A DecodeStack is built once per model (models/decode_stack.py) from each layer's norm weights,
 // its four linear layers -- each a list of row segments, every segment one of the weight forms
 // the Python layers multiply (pagedllm's packed float panels, quantized-GEMM panels, GGUF blocks
-// or a plain dense weight) -- and its KV cache planes. run() takes the embedded tokens and the
-// step's rotary rows and paged-attention metadata and returns the final-normed hidden states.
+// or a plain dense weight) -- and its KV cache planes, with the model's rotary cos/sin tables, and
+// where it can, its token embedding table and LM head. run() takes the step's token ids (or their
+// embedded rows), positions and paged-attention metadata and returns the final-normed hidden
+// states; logits() multiplies them by the LM head.
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/linear.h>
 
 #include <pybind11/pybind11.h>
@@ -100,6 +104,70 @@ Linear make_linear(const std::vector<SegSpec>& specs, int64_t out_features, std:
   return l;
 }
 
+// The token embedding as the Python layers look it up (layers/embedding.py): a dense table's rows
+// as F.embedding copies them; a GGUF table's quantized panels dequantized as
+// quantization/gguf_panels.panel_rows does, (code - zero) * scale in float32 (zero: the stored
+// one, else 8 for int4 codes and none for int8), or its GGUF blocks as gguf_dequantize does; the
+// quantized forms' float32 rows then rounded to the model's dtype.
+struct Embedding {
+  int64_t kind = -1;  // -1: none (run() takes embedded rows)
+  Tensor a;
+  std::optional<Tensor> scales, zeros;
+  int64_t p0 = 0, p1 = 0, rows = 0, K = 0;
+  at::ScalarType dtype = at::kFloat;
+
+  Tensor panel_rows(const Tensor& ids) const {
+    const int64_t B = ids.size(0), G = K / p1;
+    const bool int4 = p0 == 1;
+    const int64_t pb = (int4 ? K / 2 : K) * 16;
+    Tensor out = at::empty({B, K}, at::TensorOptions().dtype(at::kFloat));
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const uint8_t* codes = static_cast<const uint8_t*>(a.data_ptr());
+    const float* sc = scales->data_ptr<float>();
+    const float* zp = zeros ? zeros->data_ptr<float>() : nullptr;
+    float* o = out.data_ptr<float>();
+    for (int64_t r = 0; r < B; ++r, o += K) {
+      const int64_t p = id[r] / 16, j = id[r] % 16;
+      const uint8_t* c = codes + p * pb + j;
+      const float* s = sc + p * G * 16 + j;
+      const float* z = zp ? zp + p * G * 16 + j : nullptr;
+      for (int64_t g = 0; g < G; ++g) {
+        const float sg = s[g * 16];
+        float* og = o + g * p1;
+        if (int4) {
+          const float zg = z ? z[g * 16] : 8.0f;
+          const uint8_t* cg = c + g * (p1 / 2) * 16;
+          for (int64_t i = 0; i < p1 / 2; ++i) {
+            const uint8_t byte = cg[i * 16];
+            og[2 * i] = (static_cast<float>(byte & 0xF) - zg) * sg;
+            og[2 * i + 1] = (static_cast<float>(byte >> 4) - zg) * sg;
+          }
+        } else {
+          const uint8_t* cg = c + g * p1 * 16;
+          if (z) {
+            const float zg = z[g * 16];
+            for (int64_t i = 0; i < p1; ++i) og[i] = (static_cast<float>(static_cast<int8_t>(cg[i * 16])) - zg) * sg;
+          } else {
+            for (int64_t i = 0; i < p1; ++i) og[i] = static_cast<float>(static_cast<int8_t>(cg[i * 16])) * sg;
+          }
+        }
+      }
+    }
+    return out;
+  }
+
+  Tensor operator()(const Tensor& ids) const {
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong && ids.is_contiguous(),
+                "decode stack: token ids must be contiguous int64 [B]");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t r = 0; r < ids.size(0); ++r)
+      TORCH_CHECK(id[r] >= 0 && id[r] < rows, "decode stack: token id ", id[r], " out of range for ", rows, " rows");
+    if (kind == kDense) return at::index_select(a, 0, ids);
+    Tensor out = kind == kQuantPanels ? panel_rows(ids) : ops::gguf_dequantize(a, p0, ids, K);
+    return out.scalar_type() == dtype ? out : out.to(dtype);
+  }
+};
+
 struct Layer {
   Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
@@ -129,6 +197,43 @@ class DecodeStack {
     layers_.push_back(std::move(l));
   }
 
+  // The rotary tables [max_position, D] in the model's dtype (layers/rotary.RotaryEmbedding's),
+  // whose rows run() gathers by position.
+  void set_rotary(Tensor cos, Tensor sin) {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D_ && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
+                    sin.is_contiguous(), "decode stack: rotary tables [max_position, head_dim] expected");
+    cos_ = cos;
+    sin_ = sin;
+  }
+
+  // The token embedding run() looks up (a segment spec: kDense a = table [rows, K]; kQuantPanels a =
+  // panels, b = scales, c = zeros, p0 = kind code (int8 0, int4 1), p1 = group size; kGGUF a =
+  // blocks, p0 = ggml type), its rows rounded to ``dtype``.
+  void set_embedding(SegSpec spec, int64_t K, at::ScalarType dtype) {
+    const auto& [kind, off, rows, a, b, c, p0, p1] = spec;
+    TORCH_CHECK(off == 0 && (kind == kDense || kind == kGGUF || (kind == kQuantPanels && b && (p0 == 0 || p0 == 1))),
+                "decode stack: an embedding of kind ", kind);
+    TORCH_CHECK(kind != kQuantPanels || (p1 > 0 && K % p1 == 0 && p1 % 2 == 0 && a.size(0) * 16 >= rows),
+                "decode stack: embedding panels");
+    embed_ = Embedding{kind, a, b, c, p0, p1, rows, K, dtype};
+  }
+
+  // The LM head's segments over ``out_features`` rows, of which logits() keeps the first ``vocab``.
+  void set_head(std::vector<SegSpec> segs, int64_t out_features, int64_t vocab) {
+    head_ = make_linear(segs, out_features, std::nullopt);
+    vocab_ = vocab;
+  }
+
+  bool has_embedding() const { return embed_.kind >= 0; }
+  bool has_head() const { return vocab_ > 0; }
+
+  // x [N, hidden] -> logits [N, vocab] (ParallelLMHead.forward's product on one rank).
+  Tensor logits(Tensor x) const {
+    TORCH_CHECK(has_head() && x.dim() == 2, "decode stack: logits() needs a head and x [N, hidden]");
+    if (x.scalar_type() != at::kFloat && x.scalar_type() != at::kBFloat16) x = x.to(at::kFloat);
+    return head_(x.contiguous()).narrow(1, 0, vocab_);
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // Seconds spent per phase of run() since profiling was switched on (off: empty, no clock reads).
@@ -138,11 +243,25 @@ class DecodeStack {
   }
   std::map<std::string, double> phases() const { return phases_; }
 
-  // h [B, hidden] (the embedded tokens; consumed), cos/sin [B, D], one decode token per request.
-  Tensor run(Tensor h, Tensor cos, Tensor sin, Tensor block_table, Tensor seq_lens, Tensor slot_mapping) {
+  // tokens: int64 ids [B] (looked up in the embedding) or their embedded rows [B, hidden] (consumed);
+  // positions int64 [B]; one decode token per request.
+  Tensor run(Tensor tokens, Tensor positions, Tensor block_table, Tensor seq_lens, Tensor slot_mapping) {
+    TORCH_CHECK(tokens.dim() != 1 || has_embedding(), "decode stack: token ids given, but no embedding table");
+    Tensor h = tokens.dim() == 1 ? embed_(tokens) : tokens;
     TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode stack: h must be contiguous [B, hidden]");
     const int64_t B = h.size(0);
-    TORCH_CHECK(cos.size(0) == B && sin.size(0) == B, "decode stack: one rotary row per token");
+    TORCH_CHECK(cos_.defined(), "decode stack: no rotary tables");
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == B && positions.scalar_type() == at::kLong &&
+                    positions.is_contiguous(), "decode stack: one int64 position per token");
+    Tensor cos, sin;
+    const int64_t pos = positions.data_ptr<int64_t>()[0];
+    if (B == 1 && pos >= 0 && pos < cos_.size(0)) {  // the row itself, no gather
+      cos = cos_.narrow(0, pos, 1);
+      sin = sin_.narrow(0, pos, 1);
+    } else {
+      cos = at::index_select(cos_, 0, positions);
+      sin = at::index_select(sin_, 0, positions);
+    }
     Tensor residual;
     Tensor x = h;
     auto t = std::chrono::steady_clock::now();
@@ -198,6 +317,10 @@ class DecodeStack {
   int64_t window_;
   double eps_;
   Tensor final_norm_;
+  Tensor cos_, sin_;
+  Embedding embed_;
+  Linear head_;
+  int64_t vocab_ = 0;
   std::vector<Layer> layers_;
   bool profiling_ = false;
   std::map<std::string, double> phases_;
@@ -219,9 +342,15 @@ void bind_decode_stack(pybind11::module_& m) {
       .def("add_layer", &DecodeStack::add_layer, py::arg("in_norm"), py::arg("post_norm"), py::arg("qkv"),
            py::arg("qkv_bias"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("intermediate"),
            py::arg("k_cache"), py::arg("v_cache"))
-      .def("run", &DecodeStack::run, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("block_table"),
+      .def("set_rotary", &DecodeStack::set_rotary, py::arg("cos"), py::arg("sin"))
+      .def("set_embedding", &DecodeStack::set_embedding, py::arg("spec"), py::arg("k"), py::arg("dtype"))
+      .def("set_head", &DecodeStack::set_head, py::arg("segments"), py::arg("out_features"), py::arg("vocab"))
+      .def("run", &DecodeStack::run, py::arg("tokens"), py::arg("positions"), py::arg("block_table"),
            py::arg("seq_lens"), py::arg("slot_mapping"), py::call_guard<py::gil_scoped_release>())
+      .def("logits", &DecodeStack::logits, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def_property_readonly("has_embedding", &DecodeStack::has_embedding)
+      .def_property_readonly("has_head", &DecodeStack::has_head)
       .def("set_profiling", &DecodeStack::set_profiling, py::arg("on"),
            "time run()'s phases (norm, qkv, rotary, attention, o, gate_up, silu, down) from now on")
       .def("phases", &DecodeStack::phases, "seconds per phase since set_profiling(True)");
