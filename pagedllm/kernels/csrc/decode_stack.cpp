@@ -262,7 +262,7 @@ class DecodeStack {
       cos = at::index_select(cos_, 0, positions);
       sin = at::index_select(sin_, 0, positions);
     }
-    Tensor residual;
+    Tensor residual, attn, act;  // attn and act: one buffer each, reused by every layer
     Tensor x = h;
     auto t = std::chrono::steady_clock::now();
     const auto mark = [&](const char* phase) {
@@ -286,11 +286,11 @@ class DecodeStack {
       Tensor q = qkv.narrow(1, 0, H_ * D_).view({B, H_, D_});
       Tensor k = qkv.narrow(1, H_ * D_, Hkv_ * D_).view({B, Hkv_, D_});
       Tensor v = qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({B, Hkv_, D_});
-      ops::rotary_inplace(q, cos, sin);
-      ops::rotary_inplace(k, cos, sin);
+      // q's heads and k's are adjacent in each row: one rotary call over both
+      ops::rotary_inplace(qkv.narrow(1, 0, (H_ + Hkv_) * D_).view({B, H_ + Hkv_, D_}), cos, sin);
       mark("rotary");
       ops::write_kv(l.k_cache, l.v_cache, k, v, slot_mapping);
-      Tensor attn = at::empty({B, H_, D_}, h.options());
+      if (!attn.defined()) attn = at::empty({B, H_, D_}, h.options());
       ops::paged_decode_attention(attn, q, l.k_cache, l.v_cache, block_table, seq_lens, scale_, window_, 0.0,
                                   std::nullopt, std::nullopt);
       mark("attention");
@@ -300,7 +300,7 @@ class DecodeStack {
       mark("norm");
       Tensor gu = l.gate_up(o);
       mark("gate_up");
-      Tensor act = at::empty({B, gu.size(1) / 2}, h.options());
+      if (!act.defined() || act.size(1) != gu.size(1) / 2) act = at::empty({B, gu.size(1) / 2}, h.options());
       ops::silu_and_mul(act, gu);
       mark("silu");
       x = l.down(act);
