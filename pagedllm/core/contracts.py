@@ -58,11 +58,14 @@ class NewRequestData:
     mm_features: tuple[MultiModalFeature, ...] = ()  # its prompt's images: the encoder runs on them
 
 
+NO_BLOCKS: tuple = ()  # CachedRequestData.new_block_ids of a row that takes no block (shared: never mutated)
+
+
 class CachedRequestData(msgspec.Struct, frozen=True, gc=False):
     """A request the workers already hold: only what changed."""
 
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: Sequence[int]
     num_computed_tokens: int
     # Speculative decoding: trailing block ids to drop (rejected drafts' blocks went back to the
     # pool) before appending new_block_ids.

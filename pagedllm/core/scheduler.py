@@ -24,6 +24,7 @@ import logging
 import sys
 import time
 from collections import deque
+from itertools import repeat
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
 
@@ -34,6 +35,7 @@ from pagedllm.core.deadlines import DeadlineWatch
 from pagedllm.core.contracts import (
     CachedRequestData,
     EngineCoreOutput,
+    NO_BLOCKS,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -42,7 +44,7 @@ from pagedllm.core.contracts import (
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.look_ahead import make_look_ahead
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.request_table import ALLOCATE, RequestTable
+from pagedllm.core.request_table import ALLOCATE, NO_ALLOCATION, UNIT_PATH, RequestTable
 from pagedllm.core.scheduling_policy import make_policy
 from pagedllm.core.scheduling_units import BLOCKED, SET_ASIDE, RequestUnit, SchedulingUnit, StepPlan
 
@@ -241,10 +243,13 @@ class Scheduler:
         num_running = len(running)
         i = 0
         while i < len(running) and plan.budget > 0:
-            if decode is not None and len(running) == num_running and decode[i] and self._take_decode_row(
-                    running[i], plan, decode[i] == ALLOCATE):
-                i += 1
-                continue
+            if decode is not None and len(running) == num_running and decode[i]:
+                if decode[i] == NO_ALLOCATION:  # a run of rows that change nothing but counts: at once
+                    i = self._take_decode_run(running, i, decode, plan)
+                    continue
+                if self._take_decode_row(running[i], plan, True):
+                    i += 1
+                    continue
             unit = running[i].unit
             n = len(unit.requests)
             if checked and self._batch_full(plan):
@@ -278,6 +283,28 @@ class Scheduler:
         plan.budget -= 1
         plan.cached_reqs.append(CachedRequestData(rid, new_block_ids, req.num_computed_tokens))
         return True
+
+    @staticmethod
+    def _take_decode_run(running: list[Request], i: int, decode: list[int], plan: StepPlan) -> int:
+        """``_take_decode_row`` for the plain decode rows from ``i`` up to the next row that is
+        not one (or the budget's end), in C-level passes; the index after them."""
+        j = i + 1
+        end = min(len(decode), i + plan.budget)
+        try:
+            j = decode.index(UNIT_PATH, j, end)
+        except ValueError:
+            j = end
+        try:
+            j = decode.index(ALLOCATE, i + 1, j)
+        except ValueError:
+            pass
+        reqs = running[i:j]
+        rids = [r.request_id for r in reqs]
+        plan.num_scheduled.update(dict.fromkeys(rids, 1))
+        plan.budget -= j - i
+        plan.cached_reqs.extend(map(CachedRequestData, rids, repeat(NO_BLOCKS),
+                                    [r.num_computed_tokens for r in reqs]))
+        return j
 
     def _admit_waiting(self, plan: StepPlan) -> None:
         set_aside: list[Request] = []

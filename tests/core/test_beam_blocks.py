@@ -44,7 +44,7 @@ class FakeRunner:
             self.states[nr.req_id] = (list(nr.token_ids), list(nr.block_ids), nr.beam, nr.num_computed_tokens)
         for cr in so.scheduled_cached_reqs:
             toks, blocks, beam, _ = self.states[cr.req_id]
-            self.states[cr.req_id] = (toks, blocks + cr.new_block_ids, beam, cr.num_computed_tokens)
+            self.states[cr.req_id] = (toks, blocks + list(cr.new_block_ids), beam, cr.num_computed_tokens)
         ids = list(so.num_scheduled_tokens)
         sampled, groups = [], {}
         for rid in ids:
