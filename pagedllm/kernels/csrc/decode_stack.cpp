@@ -66,14 +66,19 @@ struct Linear {
     return Tensor();
   }
 
-  Tensor operator()(const Tensor& x) const {
+  // out: a buffer for y (contiguous [B, out_features] of x's dtype) where the product can write
+  // into one (quantized panels, GGUF blocks; no bias), else y is a new tensor.
+  Tensor operator()(const Tensor& x, const Tensor* out = nullptr) const {
     if (segs.size() == 1 && segs[0].kind == kDense) return at::linear(x, segs[0].a, bias);
     Tensor y;
     if (segs.size() == 1 && segs[0].kind != kGGUF) {
-      y = segment(segs[0], x, bias_f32);
+      const Segment& s = segs[0];
+      if (out != nullptr && s.kind == kQuantPanels && !bias)
+        return ops::quant_linear_out(*out, x, s.a, s.p0, *s.b, s.c, s.rows, s.p1);
+      y = segment(s, x, bias_f32);
       return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
     }
-    y = at::empty({x.size(0), out_features}, x.options());
+    y = out != nullptr && !bias ? *out : at::empty({x.size(0), out_features}, x.options());
     for (const Segment& s : segs) {
       Tensor part = y.narrow(1, s.row_offset, s.rows);
       if (s.kind == kGGUF)
@@ -168,6 +173,12 @@ struct Embedding {
   }
 };
 
+// The heads of a fused q/k/v product's rows [B, (H + 2 Hkv) D]: q [B, H, D], k and v [B, Hkv, D],
+// and q's heads with k's after them (adjacent in each row: one rotary call for both).
+struct Heads {
+  Tensor q, k, v, qk;
+};
+
 struct Layer {
   Tensor in_norm, post_norm;
   Linear qkv, o, gate_up, down;
@@ -236,6 +247,13 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  Heads heads(const Tensor& qkv) const {
+    const int64_t B = qkv.size(0);
+    return Heads{qkv.narrow(1, 0, H_ * D_).view({B, H_, D_}), qkv.narrow(1, H_ * D_, Hkv_ * D_).view({B, Hkv_, D_}),
+                 qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({B, Hkv_, D_}),
+                 qkv.narrow(1, 0, (H_ + Hkv_) * D_).view({B, H_ + Hkv_, D_})};
+  }
+
   // Seconds spent per phase of run() since profiling was switched on (off: empty, no clock reads).
   void set_profiling(bool on) {
     profiling_ = on;
@@ -262,7 +280,14 @@ class DecodeStack {
       cos = at::index_select(cos_, 0, positions);
       sin = at::index_select(sin_, 0, positions);
     }
-    Tensor residual, attn, act;  // attn and act: one buffer each, reused by every layer
+    // One buffer per product output, attention output and activation, reused by every layer (each
+    // is consumed within its layer; x, the down products' and the result, is new per run), and the
+    // heads' views of the q/k/v buffer.
+    const auto opts = h.options();
+    const Tensor qkv_buf = at::empty({B, (H_ + 2 * Hkv_) * D_}, opts), o_buf = at::empty({B, h.size(1)}, opts);
+    const Tensor attn = at::empty({B, H_, D_}, opts), attn_rows = attn.view({B, H_ * D_});
+    const Heads buf_heads = heads(qkv_buf);
+    Tensor residual, gu_buf, act;
     Tensor x = h;
     auto t = std::chrono::steady_clock::now();
     const auto mark = [&](const char* phase) {
@@ -281,29 +306,29 @@ class DecodeStack {
         ops::fused_add_rms_norm(x, residual, l.in_norm, eps_);
       }
       mark("norm");
-      Tensor qkv = l.qkv(x);  // [B, (H + 2 Hkv) D]
+      const Tensor qkv = l.qkv(x, &qkv_buf);  // [B, (H + 2 Hkv) D]
       mark("qkv");
-      Tensor q = qkv.narrow(1, 0, H_ * D_).view({B, H_, D_});
-      Tensor k = qkv.narrow(1, H_ * D_, Hkv_ * D_).view({B, Hkv_, D_});
-      Tensor v = qkv.narrow(1, (H_ + Hkv_) * D_, Hkv_ * D_).view({B, Hkv_, D_});
-      // q's heads and k's are adjacent in each row: one rotary call over both
-      ops::rotary_inplace(qkv.narrow(1, 0, (H_ + Hkv_) * D_).view({B, H_ + Hkv_, D_}), cos, sin);
+      const Heads hd = qkv.is_same(qkv_buf) ? buf_heads : heads(qkv);
+      ops::rotary_inplace(hd.qk, cos, sin);
       mark("rotary");
-      ops::write_kv(l.k_cache, l.v_cache, k, v, slot_mapping);
-      if (!attn.defined()) attn = at::empty({B, H_, D_}, h.options());
-      ops::paged_decode_attention(attn, q, l.k_cache, l.v_cache, block_table, seq_lens, scale_, window_, 0.0,
+      ops::write_kv(l.k_cache, l.v_cache, hd.k, hd.v, slot_mapping);
+      ops::paged_decode_attention(attn, hd.q, l.k_cache, l.v_cache, block_table, seq_lens, scale_, window_, 0.0,
                                   std::nullopt, std::nullopt);
       mark("attention");
-      Tensor o = l.o(attn.view({B, H_ * D_}));
+      Tensor o = l.o(attn_rows, &o_buf);
       mark("o");
       ops::fused_add_rms_norm(o, residual, l.post_norm, eps_);
       mark("norm");
-      Tensor gu = l.gate_up(o);
+      const int64_t inter = l.gate_up.out_features / 2;
+      if (!gu_buf.defined() || gu_buf.size(1) != 2 * inter) {
+        gu_buf = at::empty({B, 2 * inter}, opts);
+        act = at::empty({B, inter}, opts);
+      }
+      Tensor gu = l.gate_up(o, &gu_buf);
       mark("gate_up");
-      if (!act.defined() || act.size(1) != gu.size(1) / 2) act = at::empty({B, gu.size(1) / 2}, h.options());
       ops::silu_and_mul(act, gu);
       mark("silu");
-      x = l.down(act);
+      x = l.down(act, &x);
       mark("down");
     }
     ops::fused_add_rms_norm(x, residual, final_norm_, eps_);

@@ -50,6 +50,9 @@ void apply_token_bitmask(Tensor logits, Tensor rows, Tensor bitmask);
 Tensor pack_quantized_weight(Tensor qweight);
 Tensor quant_linear(Tensor x, Tensor packed, int64_t kind, Tensor scales, std::optional<Tensor> zeros,
                     int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias);
+// quant_linear into out (contiguous [M, N] of x's dtype), without permutation or bias: the decode stack's
+Tensor quant_linear_out(Tensor out, Tensor x, Tensor packed, int64_t kind, Tensor scales, std::optional<Tensor> zeros,
+                        int64_t out_features, int64_t group_size);
 Tensor quant_linear_i8(Tensor x, Tensor packed, Tensor scales, std::optional<Tensor> zeros, Tensor colsum,
                        int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias,
                        bool vnni);

@@ -13,6 +13,11 @@ Tensor quant_linear(Tensor x, Tensor packed, int64_t kind, Tensor scales, std::o
   return pagedllm::quant_linear(x, packed, kind, scales, zeros, out_features, group_size, perm, bias);
 }
 
+Tensor quant_linear_out(Tensor out, Tensor x, Tensor packed, int64_t kind, Tensor scales, std::optional<Tensor> zeros,
+                        int64_t out_features, int64_t group_size) {
+  return pagedllm::quant_linear(x, packed, kind, scales, zeros, out_features, group_size, std::nullopt, std::nullopt, out);
+}
+
 Tensor quant_linear_i8(Tensor x, Tensor packed, Tensor scales, std::optional<Tensor> zeros, Tensor colsum,
                        int64_t out_features, int64_t group_size, std::optional<Tensor> perm, std::optional<Tensor> bias,
                        bool vnni) {

@@ -778,9 +778,11 @@ inline std::pair<torch::Tensor, torch::Tensor> gather_input(const torch::Tensor&
 // y = x W^T (+ bias) for a weight packed by pack_quantized_weight: kind 0 int8 / 1 int4 / 2 fp8,
 // sc / zp its panel-major scales and zero points (see the top of the file), perm the act-order column order; x
 // float32 or bf16 [M, K], y in x's dtype.
+// ``out``: where y goes (contiguous [M, N] of x's dtype), else a new tensor.
 inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t kind, torch::Tensor sc,
                                   std::optional<torch::Tensor> zp, int64_t N, int64_t group_size,
-                                  std::optional<torch::Tensor> perm, std::optional<torch::Tensor> bias) {
+                                  std::optional<torch::Tensor> perm, std::optional<torch::Tensor> bias,
+                                  std::optional<torch::Tensor> out = std::nullopt) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
               "quant_linear: contiguous float32 or bfloat16 x [M, K] expected");
@@ -809,7 +811,10 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t
                 "quant_linear: float32 bias of N elements expected");
     b = bias->data_ptr<float>();
   }
-  auto y = torch::empty({M, N}, x.options());
+  if (out.has_value())
+    TORCH_CHECK(out->is_contiguous() && out->dim() == 2 && out->size(0) == M && out->size(1) == N &&
+                    out->scalar_type() == x.scalar_type(), "quant_linear: out must be contiguous [M, N] of x's dtype");
+  auto y = out.has_value() ? *out : torch::empty({M, N}, x.options());
   if (M == 0) return y;
   const float zc = kind == qgemm::kInt4 && !zeros ? 8.0f : 0.0f;  // int4 without zero points: 8
   const qgemm::Weights w{static_cast<int>(kind), packed.data_ptr<uint8_t>(), sc.data_ptr<float>(),
