@@ -18,7 +18,9 @@ count (``--threads``, default 2) and greedy decoding:
   output tokens / s (llama-cpp-python runs one sequence at a time, so its row is that).
 - ``rss``: resident MiB after loading the model, and after the bare import of the engine.
 
-Engine ``pagedllm-f32act`` is pagedllm with its quantized products kept on float32 activations
+Engine ``pagedllm-bf16kv`` is pagedllm with ``kv_cache_dtype="bfloat16"`` (half the KV bytes read
+and first touched per token; llama.cpp's own default cache is float16). Engine ``pagedllm-f32act``
+is pagedllm with its quantized products kept on float32 activations
 (the kernels' int16-activation path switched off), to measure that path beside the default.
 
 ``--fidelity``: HF's greedy answers (32 tokens) to 8 chat questions are fed back as prompts and
@@ -69,12 +71,15 @@ def random_ids(n: int, seed: int, vocab: int = 49152) -> list:
 
 # ---- the children (one engine each; only the standard library is imported at the top) ----
 
+PAGEDLLM_VARIANTS = {"pagedllm": {}, "pagedllm-f32act": {}, "pagedllm-bf16kv": {"kv_cache_dtype": "bfloat16"}}
+
+
 def child_pagedllm(args) -> dict:
     from pagedllm import LLM, SamplingParams
 
     imported = rss_mib()
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, cpu_threads=args.threads, enable_prefix_caching=False)
+    llm = LLM(model=args.model, cpu_threads=args.threads, enable_prefix_caching=False, **PAGEDLLM_VARIANTS[args.child])
     load_s = time.perf_counter() - t0
     loaded = rss_mib()
     if args.child == "pagedllm-f32act":
@@ -197,7 +202,7 @@ def child_fidelity_hf(args) -> dict:
 def child_fidelity_pagedllm(args, ref) -> dict:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, cpu_threads=args.threads)
+    llm = LLM(model=args.model, cpu_threads=args.threads, **PAGEDLLM_VARIANTS[args.child.removeprefix("fidelity-")])
     sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
     top1, nll = [], None
     outs = llm.generate(prompt_token_ids=[c["prompt"] + c["answer"] for c in ref["cases"]], sampling_params=sp,
@@ -284,20 +289,21 @@ def main() -> int:
             return 2
     if args.child:
         ref = json.loads(sys.stdin.read()) if args.child.startswith("fidelity-") and args.child != "fidelity-hf" else None
-        fn = {"pagedllm": child_pagedllm, "pagedllm-f32act": child_pagedllm, "hf-fp32": child_hf, "llama.cpp": child_llamacpp,
-              "fidelity-hf": child_fidelity_hf}.get(args.child)
+        fn = {"hf-fp32": child_hf, "llama.cpp": child_llamacpp, "fidelity-hf": child_fidelity_hf,
+              **{v: child_pagedllm for v in PAGEDLLM_VARIANTS}}.get(args.child)
         if fn is not None:
             res = fn(args)
+        elif args.child == "fidelity-llama.cpp":
+            res = child_fidelity_llamacpp(args, ref)
         else:
-            res = {"fidelity-pagedllm": child_fidelity_pagedllm, "fidelity-llama.cpp": child_fidelity_llamacpp}[
-                args.child](args, ref)
+            res = child_fidelity_pagedllm(args, ref)
         print("RESULT " + json.dumps(res))
         return 0
 
     sys.path.insert(0, HERE)
     from common import cpu_info, print_table, start_neighbours, stop_neighbours, write_json
 
-    pythons = {"pagedllm": sys.executable, "pagedllm-f32act": sys.executable, "hf-fp32": sys.executable,
+    pythons = {**{v: sys.executable for v in PAGEDLLM_VARIANTS}, "hf-fp32": sys.executable,
                "llama.cpp": args.llamacpp_python}
     engines = [e for e in args.engines.split(",") if pythons.get(e)]
     rows = []
@@ -313,7 +319,7 @@ def main() -> int:
         fidelity = {}
         if args.fidelity:
             ref = run_child(sys.executable, "fidelity-hf", args)
-            for e in ("pagedllm", "llama.cpp"):
+            for e in [e for e in engines if e in PAGEDLLM_VARIANTS and e != "pagedllm-f32act"] + ["llama.cpp"]:
                 if pythons.get(e):
                     got = run_child(pythons[e], f"fidelity-{e}", args, stdin=json.dumps(ref))
                     fidelity[e] = agreement(ref, got)
