@@ -49,6 +49,19 @@ class BlockTable:
         self.ids[row, n:end] = block_ids
         self.lens[row] = end
 
+    def append_one(self, rows: np.ndarray, block_ids: np.ndarray) -> None:
+        """One new block id appended to each of ``rows`` (distinct): a decode step's rows that
+        crossed a block boundary, in one scatter."""
+        n = self.lens[rows]
+        end = int(n.max()) + 1
+        if end > self.ids.shape[1]:
+            width = self.ids.shape[1]
+            while width < end:
+                width *= 2
+            self.ids = np.pad(self.ids, ((0, 0), (0, width - self.ids.shape[1])))
+        self.ids[rows, n] = block_ids
+        self.lens[rows] = n + 1
+
     def remove(self, row: int) -> None:
         self.ids[row, :self.lens[row]] = 0
         self.lens[row] = 0

@@ -137,14 +137,22 @@ class ModelRunner:
             self.beams.add(nr.beam)
             self._num_prompt_logprob_rows += nr.sampling_params.prompt_logprobs is not None
         table = self.block_table
+        one_rows, one_ids = [], []  # rows taking exactly one new block: appended in one scatter below
         for cr in so.scheduled_cached_reqs:
             st = self.requests[cr.req_id]
             if cr.new_token_ids:  # pipeline parallelism: ids sampled by earlier steps
                 st.token_ids.extend(cr.new_token_ids)
                 self.batch.append_tokens(st.row, cr.new_token_ids)
-            if cr.new_block_ids or cr.num_dropped_block_ids:  # dropped: blocks of rejected drafts went back
-                table.append(st.row, cr.new_block_ids, cr.num_dropped_block_ids)
+            new_ids = cr.new_block_ids
+            if new_ids or cr.num_dropped_block_ids:  # dropped: blocks of rejected drafts went back
+                if len(new_ids) == 1 and not cr.num_dropped_block_ids:
+                    one_rows.append(st.row)
+                    one_ids.append(new_ids[0])
+                else:
+                    table.append(st.row, new_ids, cr.num_dropped_block_ids)
             st.num_computed_tokens = cr.num_computed_tokens
+        if one_rows:
+            table.append_one(np.array(one_rows, dtype=np.int64), np.array(one_ids, dtype=np.int32))
 
     def _drop(self, req_id: str) -> None:
         st = self.requests.pop(req_id, None)

@@ -12,7 +12,7 @@ from pagedllm.sample.metadata import build_sampling_metadata, greedy_metadata, i
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import BlockTable, InputBatch
 
-ops = st.lists(st.tuples(st.sampled_from(["add", "append", "drop", "remove"]), st.integers(0, 40),
+ops = st.lists(st.tuples(st.sampled_from(["add", "append", "drop", "remove", "append_one"]), st.integers(0, 40),
                          st.lists(st.integers(1, 999), max_size=9)), max_size=80)
 
 
@@ -30,6 +30,11 @@ def test_block_table_matches_a_rebuilt_table(script):
         if op == "append":
             table.append(row, ids)
             held[row] += ids
+        elif op == "append_one":  # one id each for a subset of the rows (a step's block boundaries)
+            chosen = rows[pick % len(rows)::2]
+            table.append_one(np.array(chosen, dtype=np.int64), np.array([500 + r for r in chosen], dtype=np.int32))
+            for r in chosen:
+                held[r].append(500 + r)
         elif op == "drop":
             n = pick % (len(held[row]) + 1)
             table.append(row, ids, num_dropped=n)
