@@ -41,11 +41,7 @@ class BlockTable:
         if num_dropped:
             self.ids[row, n:n + num_dropped] = 0
         end = n + len(block_ids)
-        if end > self.ids.shape[1]:
-            width = self.ids.shape[1]
-            while width < end:
-                width *= 2
-            self.ids = np.pad(self.ids, ((0, 0), (0, width - self.ids.shape[1])))
+        self._fit_width(end)
         self.ids[row, n:end] = block_ids
         self.lens[row] = end
 
@@ -53,14 +49,17 @@ class BlockTable:
         """One new block id appended to each of ``rows`` (distinct): a decode step's rows that
         crossed a block boundary, in one scatter."""
         n = self.lens[rows]
-        end = int(n.max()) + 1
+        self._fit_width(int(n.max()) + 1)
+        self.ids[rows, n] = block_ids
+        self.lens[rows] = n + 1
+
+    def _fit_width(self, end: int) -> None:
+        """Columns for ``end`` ids a row (doubling)."""
         if end > self.ids.shape[1]:
             width = self.ids.shape[1]
             while width < end:
                 width *= 2
             self.ids = np.pad(self.ids, ((0, 0), (0, width - self.ids.shape[1])))
-        self.ids[rows, n] = block_ids
-        self.lens[rows] = n + 1
 
     def remove(self, row: int) -> None:
         self.ids[row, :self.lens[row]] = 0
