@@ -64,21 +64,12 @@ def chunks(k: int, group: int) -> list:
 
 def int16_rounded(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """float32 x as the int16 path multiplies it (quant_gemm_i16.h), written from the definition:
-    in the weight's column order, per row and chunk s = absmax / 32767 (1 for a chunk of zeros),
-    q = round-half-even(x / s); returned as s * q in x's own column order."""
-    perm = qw.input_perm
-    xp = x.float() if perm is None else x.float()[:, perm]
-    out = torch.empty_like(xp)
-    for a, b in chunks(xp.shape[1], qw.group_size):
-        seg = xp[:, a:b]
-        s = seg.abs().amax(dim=1, keepdim=True) / 32767.0
-        s = torch.where(s > 0, s, torch.ones_like(s))
-        out[:, a:b] = (torch.round(seg / s).clamp(-32767, 32767).double() * s.double()).float()
-    if perm is None:
-        return out
-    back = torch.empty_like(out)
-    back[:, perm] = out
-    return back
+    per row s = absmax / 32767 (1 for a row of zeros), q = round-half-even(x / s); returned as
+    s * q."""
+    xf = x.float()
+    s = xf.abs().amax(dim=1, keepdim=True) / 32767.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (torch.round(xf / s).clamp(-32767, 32767).double() * s.double()).float()
 
 
 def kernel_input(x: torch.Tensor, qw: QuantizedWeight, kernels) -> torch.Tensor:

@@ -479,16 +479,17 @@ inline void bmicro_dp(const int32_t* a, int64_t lda, const int32_t* b, int64_t k
 }
 #endif
 
-// y[m, n0 + 16 j ...] = the task's float32 rows c (row stride kBW) + bias, for np panels of cols
-// columns from n0.
+// y[m, n0 + 16 j ...] = the task's float32 rows c (row stride kBW) (times row m's scale rs[m *
+// rs_stride] where rs is given) + bias, for np panels of cols columns from n0.
 template <typename O>
 inline void store_task(const float* c, int64_t M, int64_t np, int64_t cols, int64_t n0, const float* bias, O* y,
-                       int64_t ldy) {
+                       int64_t ldy, const float* rs = nullptr, int64_t rs_stride = 0) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < np; ++j) {
       const __mmask16 mk = lanes16(cols - j * kPanel);
       __m512 v = _mm512_loadu_ps(c + m * kBW + j * kPanel);
-      if (bias != nullptr) v = _mm512_add_ps(v, load16(bias + n0 + j * kPanel, mk));
+      const __m512 b = bias != nullptr ? load16(bias + n0 + j * kPanel, mk) : _mm512_setzero_ps();
+      v = rs != nullptr ? _mm512_fmadd_ps(v, _mm512_set1_ps(rs[m * rs_stride]), b) : _mm512_add_ps(v, b);
       store16(y + m * ldy + n0 + j * kPanel, v, mk);
     }
 }
@@ -829,17 +830,18 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t
     if (M * K <= qgemm::kScratchElems) {
       qgemm::I16Scratch& scratch = qgemm::i16_scratch();
       scratch.q.resize(qgemm::kScratchElems);
-      scratch.s.resize(std::max<size_t>(scratch.s.size(), 2 * M * w.chunks()));
+      scratch.s.resize(std::max<size_t>(scratch.s.size(), 3 * M * w.chunks()));
       qp = scratch.q.data();
       sp = scratch.s.data();
     } else {
       q = torch::empty({M, K}, x.options().dtype(at::kShort));
-      s = torch::empty({2, M, w.chunks()}, x.options());  // scales, sums
+      s = torch::empty({3, M, w.chunks()}, x.options());  // scales, sums, integer sums
       qp = static_cast<int16_t*>(q.data_ptr());
       sp = s.data_ptr<float>();
     }
-    qgemm::quantize_i16(xf.data_ptr<float>(), M, w, qp, sp, sp + M * w.chunks());
-    const qgemm::Act16 a{reinterpret_cast<const int32_t*>(qp), sp, sp + M * w.chunks()};
+    const int64_t MC = M * w.chunks();
+    qgemm::quantize_i16(xf.data_ptr<float>(), M, w, qp, sp, sp + MC, sp + 2 * MC);
+    const qgemm::Act16 a{reinterpret_cast<const int32_t*>(qp), sp, sp + MC, sp + 2 * MC};
     float* yp = y.data_ptr<float>();
     if (kind == qgemm::kInt4) {
       qgemm::run_i16<qgemm::kInt4>(w, a, M, yp, b);

@@ -4,12 +4,14 @@
 // per 16-byte line instead of 4 widening ops -- the batch-1 product streams the weights with
 // fewer instructions per byte, batches do half the arithmetic.
 //
-// Activations: per row and per chunk of K (quant_gemm.h's chunks: a weight group, or 256 k of a
-// longer one) s = amax / 32767 and q = round-half-even(x / s), so each chunk keeps 16 bits of its
-// largest value (llama.cpp's 8 bits per 32 values would be 256 times coarser); x's chunk sum is
-// taken from the codes (s * sum q), so every product is exactly the product of the rounded x with
-// the weight up to float32 rounding of the scaled chunk sums. The integer sums are exact: a chunk
-// of at most 256 k sums |q_x q_w| <= 256 * 32767 * 128 < 2^31.
+// Activations: per row s = amax / 32767 and q = round-half-even(x / s), so each row keeps 16 bits
+// of its largest value (llama.cpp's 8 bits per 32 values would be 256 times coarser); x's chunk
+// sums (quant_gemm.h's chunks: a weight group, or 256 k of a longer one) are taken from the codes,
+// so every product is exactly the product of the rounded x with the weight up to float32 rounding
+// of the scaled chunk sums. The integer sums are exact: a chunk of at most 256 k sums
+// |q_x q_w| <= 256 * 32767 * 128 < 2^31. One scale per row (not per chunk) is applied once per
+// output, at the store, instead of once per row, panel and chunk (SmolLM2-135M's greedy agreement
+// with HF and its perplexity are those of per-chunk scales: docs/usage.md, GGUF files).
 //
 // Only on CPUs with both AVX512-VNNI and AVX512-VBMI (checked at run time; compiled with a
 // target attribute): Ice Lake / Sapphire Rapids and later, Zen 4 and later. Elsewhere (and for bf16
@@ -52,32 +54,35 @@ inline bool int16_path(int kind, int64_t gs) {
 }
 
 // x [M, K] float32 in the weight's column order as int16 pairs q [M, K / 2] (k = 2i in the low
-// half of int32 i), the chunk scales s [M, C] and chunk sums s * sum(q) [M, C]. A chunk with a
+// half of int32 i), each row's scale s (replicated over its C chunks: s [M, C]), the chunk sums
+// s * sum(q) [M, C] and the integer chunk sums sum(q) [M, C] as floats (qsum). A row with a
 // non-finite value gets q = 0 and s = NaN, so its outputs are NaN as in float32 arithmetic.
 // 16 lanes at a time (masked tails); rows are spread over the threads for prompt-sized x.
-inline void quantize_i16(const float* x, int64_t M, const Weights& w, int16_t* q, float* s, float* sum) {
+inline void quantize_i16(const float* x, int64_t M, const Weights& w, int16_t* q, float* s, float* sum, float* qsum) {
   const int64_t K = w.K, C = w.chunks();
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
-  for (int64_t m = 0; m < M; ++m)
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = x + m * K;
+    int16_t* o = q + m * K;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 odd = 0;  // lanes that saw a NaN or an infinity
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = _mm512_maskz_loadu_ps(lanes16(K - k), r + k);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
+      odd |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN, SNaN, +inf, -inf
+    }
+    if (odd != 0) {
+      std::fill(o, o + K, int16_t{0});
+      std::fill(s + m * C, s + (m + 1) * C, NAN);
+      std::fill(sum + m * C, sum + (m + 1) * C, NAN);
+      std::fill(qsum + m * C, qsum + (m + 1) * C, 0.0f);
+      continue;
+    }
+    const float mx = _mm512_reduce_max_ps(amax);
+    const float sc = mx > 0.0f ? mx / 32767.0f : 1.0f;
+    const __m512 vs = _mm512_set1_ps(sc);
     for (int64_t c = 0; c < C; ++c) {
       const int64_t k0 = w.chunk_begin(c), k1 = w.chunk_end(c);
-      const float* r = x + m * K;
-      int16_t* o = q + m * K;
-      __m512 amax = _mm512_setzero_ps();
-      __mmask16 odd = 0;  // lanes that saw a NaN or an infinity
-      for (int64_t k = k0; k < k1; k += 16) {
-        const __m512 v = _mm512_maskz_loadu_ps(lanes16(k1 - k), r + k);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v));
-        odd |= _mm512_fpclass_ps_mask(v, 0x99);  // QNaN, SNaN, +inf, -inf
-      }
-      if (odd != 0) {
-        std::fill(o + k0, o + k1, int16_t{0});
-        s[m * C + c] = sum[m * C + c] = NAN;
-        continue;
-      }
-      const float mx = _mm512_reduce_max_ps(amax);
-      const float sc = mx > 0.0f ? mx / 32767.0f : 1.0f;
-      const __m512 vs = _mm512_set1_ps(sc);
       __m512i total = _mm512_setzero_si512();
       for (int64_t k = k0; k < k1; k += 16) {
         const __mmask16 mk = lanes16(k1 - k);
@@ -86,15 +91,19 @@ inline void quantize_i16(const float* x, int64_t M, const Weights& w, int16_t* q
         total = _mm512_add_epi32(total, v);
         _mm256_mask_storeu_epi16(o + k, mk, _mm512_cvtsepi32_epi16(v));
       }
+      const float t = static_cast<float>(_mm512_reduce_add_epi32(total));
       s[m * C + c] = sc;
-      sum[m * C + c] = sc * static_cast<float>(_mm512_reduce_add_epi32(total));
+      sum[m * C + c] = sc * t;
+      qsum[m * C + c] = t;
     }
+  }
 }
 
 struct Act16 {
-  const int32_t* q;  // [M, K / 2] int16 pairs
-  const float* s;    // [M, C]
-  const float* sum;  // [M, C]
+  const int32_t* q;   // [M, K / 2] int16 pairs
+  const float* s;     // [M, C]: each row's scale, once per chunk
+  const float* sum;   // [M, C]: s * sum(q) per chunk
+  const float* qsum;  // [M, C]: sum(q) per chunk
 };
 
 #define PAGEDLLM_VNNI_VBMI __attribute__((target("avx512vnni,avx512vbmi")))
@@ -190,8 +199,8 @@ PAGEDLLM_VNNI_VBMI void widen_chunk_i16(const Weights& w, int64_t p, int64_t np,
 }
 
 // Rows [m, m + R) of x in one task against one widened chunk ch: the integer sums of the int16 x
-// pairs and the widened codes, scaled by each row's chunk scale and added to their float32 rows
-// c (add_chunk).
+// pairs and the widened codes, less the zero point's share, times the group scale, added to their
+// float32 rows c (add_chunk); each row's scale multiplies its sums once, at the store.
 template <int R, int NP>
 void tile_i16(const Weights& w, int64_t p, const Act16& a, int64_t m, int64_t ch, const int32_t* widened, float* c) {
   const int64_t C = w.chunks(), G = w.G, K2 = w.K / 2;
@@ -202,14 +211,12 @@ void tile_i16(const Weights& w, int64_t p, const Act16& a, int64_t m, int64_t ch
                 [](__m512i& acc, __m512i x, __m512i v) { dpwssd(acc, x, v); });
   __m512 f[R][NP];
 #pragma GCC unroll 8
-  for (int i = 0; i < R; ++i) {
-    const __m512 s = _mm512_set1_ps(a.s[(m + i) * C + ch]);
+  for (int i = 0; i < R; ++i)
 #pragma GCC unroll 4
-    for (int j = 0; j < NP; ++j) f[i][j] = _mm512_mul_ps(_mm512_cvtepi32_ps(part[i][j]), s);
-  }
+    for (int j = 0; j < NP; ++j) f[i][j] = _mm512_cvtepi32_ps(part[i][j]);
   const float* sc = w.sc + (p * G + g) * kPanel;
   const float* zp = w.zp != nullptr ? w.zp + (p * G + g) * kPanel : nullptr;
-  add_chunk<R, NP>(f, c, sc, zp, w.zc, G * kPanel, a.sum + m * C + ch, C);
+  add_chunk<R, NP>(f, c, sc, zp, w.zc, G * kPanel, a.qsum + m * C + ch, C);
 }
 
 // One task of the batched product: panels [p, p + np), every row of x, into y [M, N] float32;
@@ -235,7 +242,7 @@ void blocked_task_i16(const Weights& w, int64_t p, int64_t np, const Act16& a, i
           });
         });
     }
-    store_task(c, mb, np, cols, n0, bias, y + m0 * w.N, w.N);
+    store_task(c, mb, np, cols, n0, bias, y + m0 * w.N, w.N, a.s + m0 * w.chunks(), w.chunks());
   }
 }
 
