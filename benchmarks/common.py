@@ -98,7 +98,7 @@ def write_json(path: str | None, data) -> None:
 
 
 def print_table(rows: list[dict], cols: list[str]) -> None:
-    widths = [max(len(c), *(len(f"{r.get(c, '')}") for r in rows)) for c in cols]
+    widths = [max([len(c)] + [len(f"{r.get(c, '')}") for r in rows]) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for r in rows:
         print("  ".join(f"{r.get(c, '')}".ljust(w) for c, w in zip(cols, widths)))

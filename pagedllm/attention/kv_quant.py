@@ -43,21 +43,24 @@ _SPECS = {
     "int8": KVQuant("int8", torch.int8, 127.0),
 }
 QUANTIZED_KV_CACHE_DTYPES = tuple(_SPECS)
-UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16")
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """What the KV cache planes hold: the model dtype ("auto"), bfloat16 (also under a float32
-    model: half the bytes per token, float32 arithmetic on the rows read), or an 8-bit dtype."""
+    """What the KV cache planes hold: the model dtype ("auto"), float32 (a float32 model's own),
+    bfloat16 (also under a float32 model: half the bytes per token, float32 arithmetic on the rows
+    read), or an 8-bit dtype."""
     if kv_cache_dtype == "bfloat16":
         return torch.bfloat16
+    if kv_cache_dtype == "float32":
+        return torch.float32
     quant = kv_quant(kv_cache_dtype)
     return model_dtype if quant is None else quant.dtype
 
 
 def kv_quant(kv_cache_dtype: str) -> Optional[KVQuant]:
     """The 8-bit scheme of ``kv_cache_dtype`` ("fp8" = "fp8_e4m3"); None for the 16/32-bit caches
-    ("auto", "bfloat16")."""
+    ("auto", "float32", "bfloat16")."""
     if kv_cache_dtype in UNQUANTIZED_KV_CACHE_DTYPES:
         return None
     name = "fp8_e4m3" if kv_cache_dtype == "fp8" else kv_cache_dtype

@@ -16,8 +16,8 @@ ENGINE_FLAG_HELP = {
     "runner": "auto (pooling for encoder / classifier architectures), generate, or pooling (embeddings, /score, "
               "/rerank)",
     "dtype": "weights and KV cache dtype: auto (from the checkpoint), float32, bfloat16, float16",
-    "kv_cache_dtype": "KV cache storage: auto (the model dtype), bfloat16 (also under a float32 model: half the "
-                      "bytes per token), fp8_e4m3 (alias fp8), fp8_e5m2 or int8; the 8-bit "
+    "kv_cache_dtype": "KV cache storage: auto (the model dtype; bfloat16 for a GGUF file on CPU, as llama.cpp "
+                      "keeps f16), float32, bfloat16 (also under a float32 model: half the bytes per token), fp8_e4m3 (alias fp8), fp8_e5m2 or int8; the 8-bit "
                       "dtypes keep a bf16 scale per token and kv head and hold ~2x the tokens of a bf16 cache",
     "quantization": "weight quantization: default detected from config.json quantization_config (gptq, awq, "
                     "compressed-tensors, fp8); int8 or fp8 on an unquantized checkpoint quantize it at load, per "

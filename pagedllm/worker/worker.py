@@ -193,6 +193,9 @@ class Worker:
         name = self.config.kv_cache_dtype
         if self.kv_spec.storage_dtype == self.dtype:  # the model's own dtype: every backend runs it
             return
+        if name == "float32":
+            raise ValueError(f"kv_cache_dtype='float32' keeps a float32 model's cache in float32; this model computes "
+                             f"in {str(self.dtype).removeprefix('torch.')} (use dtype='float32', or kv_cache_dtype='auto')")
         if self.kv_spec.planes != 2:
             raise ValueError(f"kv_cache_dtype={name!r}: multi-head latent attention (DeepSeek's one-plane latent cache) "
                              "keeps its cache in the model dtype; use kv_cache_dtype='auto'")

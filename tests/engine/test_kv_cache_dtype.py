@@ -52,6 +52,35 @@ def test_config_validation(llama_ckpt):
     assert EngineConfig(model=llama_ckpt, kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"
 
 
+@pytest.mark.skipif(ON_CUDA, reason="the GGUF default applies where the model runs on the CPU")
+def test_gguf_on_cpu_defaults_to_a_bfloat16_cache(tmp_path, llama_ckpt):
+    """A GGUF file on the CPU with dtype auto keeps a bfloat16 cache (llama.cpp keeps f16); an
+    explicit dtype or kv_cache_dtype keeps what it says, and an HF checkpoint keeps the model dtype."""
+    from gguf_files import write_gguf
+
+    path = write_gguf(str(tmp_path / "tiny.gguf"), "Q8_0")
+    assert EngineConfig(model=path).kv_cache_dtype == "bfloat16"
+    assert EngineConfig(model=str(tmp_path)).kv_cache_dtype == "bfloat16"  # a folder with one .gguf
+    assert EngineConfig(model=path, dtype="float32").kv_cache_dtype == "auto"
+    assert EngineConfig(model=path, kv_cache_dtype="float32").kv_cache_dtype == "float32"
+    assert EngineConfig(model=llama_ckpt).kv_cache_dtype == "auto"
+    llm = LLM(model=path, kv_cache_memory=4 << 20)
+    worker = llm.engine.core.executor.worker
+    assert worker.kv_cache.dtype == torch.bfloat16 and worker.dtype == torch.float32
+    full = LLM(model=path, kv_cache_dtype="float32", kv_cache_memory=4 << 20)
+    assert full.engine.core.executor.worker.kv_cache.dtype == torch.float32
+    assert llm.get_stats().num_total_blocks >= 1.9 * full.get_stats().num_total_blocks  # same memory, 2x tokens
+    out = llm.generate(prompt_token_ids=[list(range(3, 23))], sampling_params=GREEDY, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 12
+
+
+def test_float32_cache_needs_a_float32_model(llama_ckpt):
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' keeps a float32 model's cache"):
+        LLM(model=llama_ckpt, dtype="bfloat16", kv_cache_dtype="float32", kv_cache_memory=4 << 20)
+    llm = LLM(model=llama_ckpt, dtype="float32", kv_cache_dtype="float32", kv_cache_memory=4 << 20)
+    assert llm.engine.core.executor.worker.kv_cache.dtype == torch.float32
+
+
 def test_latent_attention_refused(make_ckpt):
     """DeepSeek's one-plane latent cache has no 8-bit form: a clear error at start-up."""
     extra = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
