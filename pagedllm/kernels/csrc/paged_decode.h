@@ -185,32 +185,35 @@ inline void score_tile16(const float* q /*[NG, D]*/, const T* const* krow, int64
     _mm256_storeu_ps(s + g * ls, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), transpose_sum8(dots[g]), lane_ok));
 }
 
+// J 16-lane vectors of NG heads' accumulators from dim d0, in registers across the cnt positions:
+// every lane sums its positions in order, whichever J covers it.
+template <int NG, int J, typename T>
+inline void value_chunk16(const float* w, int64_t ls, const T* const* vrow, int64_t cnt, int64_t hoff, int64_t d0,
+                          int64_t D, float* acc /*[NG, D]*/) {
+  __m512 a[NG][J];
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < J; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
+  for (int64_t i = 0; i < cnt; ++i) {
+    __m512 pb[NG];
+    for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(w[g * ls + i]);
+    for (int j = 0; j < J; ++j) {
+      const __m512 vv = load16(vrow[i] + hoff + d0 + 16 * j);
+      for (int g = 0; g < NG; ++g) a[g][j] = _mm512_fmadd_ps(pb[g], vv, a[g][j]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < J; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
+}
+
+// 64 dims at a time, then 32 (a head dim of 32 or 96: NG x 2 independent chains rather than one
+// chain of cnt dependent FMAs per 16 dims), then 16.
 template <int NG, typename T>
 inline void value_tile16(const float* w, int64_t ls, const T* const* vrow, int64_t cnt, int64_t hoff, int64_t D,
                          float* acc /*[NG, D]*/) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= D; d0 += 64) {
-    __m512 a[NG][4];
-    for (int g = 0; g < NG; ++g)
-      for (int j = 0; j < 4; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);
-    for (int64_t i = 0; i < cnt; ++i) {
-      __m512 pb[NG];
-      for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(w[g * ls + i]);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 vv = load16(vrow[i] + hoff + d0 + 16 * j);
-        for (int g = 0; g < NG; ++g) a[g][j] = _mm512_fmadd_ps(pb[g], vv, a[g][j]);
-      }
-    }
-    for (int g = 0; g < NG; ++g)
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + g * D + d0 + 16 * j, a[g][j]);
-  }
-  for (; d0 < D; d0 += 16) {  // head dims that are not a multiple of 64
-    for (int g = 0; g < NG; ++g) {
-      __m512 a = _mm512_loadu_ps(acc + g * D + d0);
-      for (int64_t i = 0; i < cnt; ++i) a = _mm512_fmadd_ps(_mm512_set1_ps(w[g * ls + i]), load16(vrow[i] + hoff + d0), a);
-      _mm512_storeu_ps(acc + g * D + d0, a);
-    }
-  }
+  for (; d0 + 64 <= D; d0 += 64) value_chunk16<NG, 4>(w, ls, vrow, cnt, hoff, d0, D, acc);
+  if (d0 + 32 <= D) value_chunk16<NG, 2>(w, ls, vrow, cnt, hoff, d0, D, acc), d0 += 32;
+  if (d0 < D) value_chunk16<NG, 1>(w, ls, vrow, cnt, hoff, d0, D, acc);
 }
 #endif
 
@@ -220,12 +223,14 @@ inline void value_tile16(const float* w, int64_t ls, const T* const* vrow, int64
 // placed) blocks, which otherwise costs a stall on every block.
 template <typename T>
 inline int64_t prefetch_block(const T* cache, const Task& t, int64_t pos) {
-  const int64_t end = std::min<int64_t>(t.n, ((t.start + pos) / t.bs + 1) * t.bs - t.start);
+  const int64_t blk = (t.start + pos) / t.bs, off = t.start + pos - blk * t.bs;  // one division per block
+  const int64_t end = std::min<int64_t>(t.n, pos + t.bs - off);
   const int64_t row_bytes = t.nkv * t.D * static_cast<int64_t>(sizeof(T));
-  for (int64_t p = pos; p < end; ++p) {
-    const char* r = reinterpret_cast<const char*>(row_ptr(cache, t, t.start + p));
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T1);
-  }
+  const int64_t stride = t.row_stride * static_cast<int64_t>(sizeof(T));
+  const char* r = reinterpret_cast<const char*>(cache + (static_cast<int64_t>(t.bt[blk]) * t.bs + off) * t.row_stride +
+                                                t.head_off);
+  for (int64_t p = pos; p < end; ++p, r += stride)
+    for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(r + o, _MM_HINT_T1);
   return end;  // first position of the next block
 }
 
