@@ -109,13 +109,20 @@ def test_argmax_rows_matches_torch_first_maximum_and_nan(kernels, vocab, dtype):
     from pagedllm.sample.sampler import greedy
 
     g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(6, vocab, generator=g).to(dtype)  # bf16: many ties after rounding
+    x = torch.randn(10, vocab, generator=g).to(dtype)  # bf16: many ties after rounding
     x[1] = x[1].round()  # ties: the first maximum wins
     x[2] = float("-inf")
     if vocab > 3:
         x[3, 3] = float("nan")
         x[4, vocab - 1] = 1e30  # in the scalar tail when vocab % 8 != 0
-    out = torch.empty(6, dtype=torch.long)
+    x[5] = -x[5].abs() - 1  # every logit negative (bf16 compares their bits as ordered integers)
+    x[6] = -0.0  # a zero maximum: -0 == +0, so the first zero of either sign
+    x[6, vocab // 2] = 0.0
+    x[7] = -1.0
+    x[7, vocab // 3] = -0.0
+    x[8, vocab - 1] = -float("nan")  # a NaN with its sign bit set
+    x[9] = 0.0
+    out = torch.empty(10, dtype=torch.long)
     kernels.argmax_rows(out, x)
     assert torch.equal(out, x.argmax(dim=-1))
     assert torch.equal(greedy(x), x.argmax(dim=-1))

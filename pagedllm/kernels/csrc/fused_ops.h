@@ -231,6 +231,51 @@ inline void argmax_rows_impl(const T* xp, int64_t N, int64_t V, int64_t xs, int6
   }
 }
 
+#ifdef PAGEDLLM_AVX512
+// bfloat16 rows on 32 int16 lanes: the bits b of a bfloat16 map to k = b ^ ((b >> 15) & 0x7FFF), an
+// int16 ordered as the values are (-0 just below +0); a NaN shows as |b| > 0x7F80. The first
+// maximum is then the first lane equal to the maximum's bits, or to either zero where the maximum
+// is a zero (-0 == +0, as torch compares). Lanes past the row's end read as -inf and never match.
+// The largest of 32 signed int16 lanes: halves folded to 8 lanes, then phminposuw on 0x7FFF - x
+// (unsigned, that order is the reverse of x's signed one).
+inline int16_t hmax_epi16(__m512i v) {
+  const __m256i h = _mm256_max_epi16(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+  const __m128i q = _mm_max_epi16(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  const __m128i top = _mm_set1_epi16(0x7FFF);
+  return static_cast<int16_t>(0x7FFF - (_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_sub_epi16(top, q))) & 0xFFFF));
+}
+
+inline int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t V) {
+  const __m512i sign_off = _mm512_set1_epi16(0x7FFF), ninf = _mm512_set1_epi16(static_cast<short>(0xFF80));
+  const auto key_of = [&](__m512i b) { return _mm512_xor_si512(b, _mm512_and_si512(_mm512_srai_epi16(b, 15), sign_off)); };
+  __m512i k0 = _mm512_set1_epi16(-32768), k1 = k0, a0 = _mm512_setzero_si512(), a1 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= V; i += 64) {  // two independent chains
+    const __m512i b0 = _mm512_loadu_si512(x + i), b1 = _mm512_loadu_si512(x + i + 32);
+    k0 = _mm512_max_epi16(k0, key_of(b0)), k1 = _mm512_max_epi16(k1, key_of(b1));
+    a0 = _mm512_max_epi16(a0, _mm512_and_si512(b0, sign_off)), a1 = _mm512_max_epi16(a1, _mm512_and_si512(b1, sign_off));
+  }
+  for (; i < V; i += 32) {
+    const __mmask32 m = V - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (V - i)) - 1;
+    const __m512i b = _mm512_mask_loadu_epi16(ninf, m, x + i);
+    k0 = _mm512_max_epi16(k0, key_of(b)), a0 = _mm512_max_epi16(a0, _mm512_and_si512(b, sign_off));
+  }
+  const __m512i mk = _mm512_max_epi16(k0, k1), mabs = _mm512_max_epi16(a0, a1);
+  const int16_t key = hmax_epi16(mk), top_abs = hmax_epi16(mabs);
+  const bool nan = top_abs > 0x7F80, zero = key == 0 || key == -1;
+  const int16_t bits = static_cast<int16_t>(key ^ ((key >> 15) & 0x7FFF));  // the map is its own inverse
+  const __m512i target = nan ? _mm512_set1_epi16(0x7F80) : zero ? _mm512_setzero_si512() : _mm512_set1_epi16(bits);
+  for (i = 0; i < V; i += 32) {
+    const __mmask32 m = V - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (V - i)) - 1;
+    __m512i b = _mm512_maskz_loadu_epi16(m, x + i);
+    if (nan || zero) b = _mm512_and_si512(b, sign_off);
+    const __mmask32 hit = nan ? _mm512_mask_cmpgt_epi16_mask(m, b, target) : _mm512_mask_cmpeq_epi16_mask(m, b, target);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  return 0;  // not reached: the maximum is some lane's
+}
+#endif
+
 inline void argmax_rows(torch::Tensor out, torch::Tensor logits) {
   fused::check_rows(logits, "argmax_rows");
   TORCH_CHECK((logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) && logits.size(1) > 0,
@@ -242,7 +287,13 @@ inline void argmax_rows(torch::Tensor out, torch::Tensor logits) {
   if (logits.scalar_type() == at::kFloat) {
     argmax_rows_impl(logits.data_ptr<float>(), N, V, xs, op);
   } else {
+#ifdef PAGEDLLM_AVX512
+    const c10::BFloat16* xp = logits.data_ptr<c10::BFloat16>();
+#pragma omp parallel for if (N * V >= fused::kParallelElems)
+    for (int64_t r = 0; r < N; ++r) op[r] = argmax_bf16_row(xp + r * xs, V);
+#else
     argmax_rows_impl(logits.data_ptr<c10::BFloat16>(), N, V, xs, op);
+#endif
   }
 }
 
