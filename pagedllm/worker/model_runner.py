@@ -229,7 +229,9 @@ class ModelRunner:
         tensor parallelism it broadcasts the ids, and the logprobs stay empty on the other ranks."""
         if not len(inputs.sample_rows):
             return [], {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # a collective under TP: every rank
+        idx = inputs.logits_indices  # increasing, so as many as the hidden rows is every row: no gather
+        rows = hidden if len(idx) == hidden.shape[0] else hidden[idx]
+        logits = self.model.compute_logits(rows)  # a collective under TP: every rank
         return self.sampling.sample(logits, inputs, self.batch.plain_greedy, grammar, self.stage.share_sampled)
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[str, Logprobs]:
