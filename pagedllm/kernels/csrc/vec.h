@@ -67,25 +67,40 @@ inline void store8(c10::BFloat16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
 
+// The float lanes exp_lanes works on: 8 (AVX2) or 16 (AVX-512) floats, the same operations.
+template <typename V>
+struct Lanes;
+template <>
+struct Lanes<__m256> {
+  static __m256 set1(float x) { return _mm256_set1_ps(x); }
+  static __m256 clamp(__m256 x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, set1(lo)), set1(hi)); }
+  static __m256 round(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+  static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+  static __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 fnmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fnmadd_ps(a, b, c); }
+  static __m256 pow2(__m256 n) {  // 2^n for integral n in [-126, 127]
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+};
+
 // e^x, about 1 ulp: Cody-Waite range reduction and a degree-5 polynomial; x clamped to
 // [-87, 88] (results ~0 below, finite above).
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+template <typename V>
+inline V exp_lanes(V x) {
+  using L = Lanes<V>;
+  x = L::clamp(x, -87.0f, 88.0f);
+  const V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
+  V r = L::fnmadd(n, L::set1(0.693359375f), x);
+  r = L::fnmadd(n, L::set1(-2.12194440e-4f), r);
+  V p = L::set1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = L::fmadd(p, r, L::set1(c));
+  p = L::fmadd(p, L::mul(r, r), L::add(r, L::set1(1.0f)));
   // n + 127 is in [1, 254] after the clamp (127 * ln 2 > 88), so 2^n is a normal float
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  return L::mul(p, L::pow2(n));
 }
+inline __m256 exp8(__m256 x) { return exp_lanes(x); }
 
 // Logit soft-capping of a score row in place: s = cap * tanh(s / cap), -inf (masked) entries kept.
 // tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|), the sign put back after.
@@ -157,6 +172,27 @@ inline __m256i to_bf16x16(__m512 v) {
 #endif
 }
 inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
+template <>
+struct Lanes<__m512> {
+  static __m512 set1(float x) { return _mm512_set1_ps(x); }
+  static __m512 clamp(__m512 x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, set1(lo)), set1(hi)); }
+  static __m512 round(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+  static __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+  static __m512 fmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m512 fnmadd(__m512 a, __m512 b, __m512 c) { return _mm512_fnmadd_ps(a, b, c); }
+  static __m512 pow2(__m512 n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+};
+// exp8 on 16 lanes: the same operations lane by lane, so the same values.
+inline __m512 exp16(__m512 x) { return exp_lanes(x); }
+// v rounded to the dtype and widened back (bfloat16: nearest even, as store16 stores it).
+inline __m512 round16(float*, __m512 v) { return v; }
+inline __m512 round16(c10::BFloat16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(v)), 16));
+}
+
 inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m = 0xFFFF) {
   _mm256_mask_storeu_epi16(p, m, to_bf16x16(v));
 }
