@@ -68,10 +68,8 @@ inline void store8(c10::BFloat16* p, __m256 v) {
 }
 
 // The float lanes exp_lanes works on: 8 (AVX2) or 16 (AVX-512) floats, the same operations.
-template <typename V>
-struct Lanes;
-template <>
-struct Lanes<__m256> {
+struct Lanes8 {
+  using V = __m256;
   static __m256 set1(float x) { return _mm256_set1_ps(x); }
   static __m256 clamp(__m256 x, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(x, set1(lo)), set1(hi)); }
   static __m256 round(__m256 x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -86,9 +84,8 @@ struct Lanes<__m256> {
 
 // e^x, about 1 ulp: Cody-Waite range reduction and a degree-5 polynomial; x clamped to
 // [-87, 88] (results ~0 below, finite above).
-template <typename V>
+template <typename L, typename V = typename L::V>
 inline V exp_lanes(V x) {
-  using L = Lanes<V>;
   x = L::clamp(x, -87.0f, 88.0f);
   const V n = L::round(L::mul(x, L::set1(1.44269504088896341f)));
   V r = L::fnmadd(n, L::set1(0.693359375f), x);
@@ -100,7 +97,7 @@ inline V exp_lanes(V x) {
   // n + 127 is in [1, 254] after the clamp (127 * ln 2 > 88), so 2^n is a normal float
   return L::mul(p, L::pow2(n));
 }
-inline __m256 exp8(__m256 x) { return exp_lanes(x); }
+inline __m256 exp8(__m256 x) { return exp_lanes<Lanes8>(x); }
 
 // Logit soft-capping of a score row in place: s = cap * tanh(s / cap), -inf (masked) entries kept.
 // tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|), the sign put back after.
@@ -172,8 +169,8 @@ inline __m256i to_bf16x16(__m512 v) {
 #endif
 }
 inline void store16(float* p, __m512 v, __mmask16 m = 0xFFFF) { _mm512_mask_storeu_ps(p, m, v); }
-template <>
-struct Lanes<__m512> {
+struct Lanes16 {
+  using V = __m512;
   static __m512 set1(float x) { return _mm512_set1_ps(x); }
   static __m512 clamp(__m512 x, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(x, set1(lo)), set1(hi)); }
   static __m512 round(__m512 x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
@@ -186,7 +183,7 @@ struct Lanes<__m512> {
   }
 };
 // exp8 on 16 lanes: the same operations lane by lane, so the same values.
-inline __m512 exp16(__m512 x) { return exp_lanes(x); }
+inline __m512 exp16(__m512 x) { return exp_lanes<Lanes16>(x); }
 // v rounded to the dtype and widened back (bfloat16: nearest even, as store16 stores it).
 inline __m512 round16(float*, __m512 v) { return v; }
 inline __m512 round16(c10::BFloat16*, __m512 v) {
