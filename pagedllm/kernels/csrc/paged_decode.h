@@ -50,6 +50,11 @@ inline const T* row_ptr(const T* cache, const Task& t, int64_t pos) {
 template <typename T>
 inline void fill_rows(const T* cache, const Task& t, int64_t pos, int64_t count, int64_t valid, const T** rows) {
   int64_t blk = pos / t.bs, off = pos - blk * t.bs;
+  if (valid == count && off + count <= t.bs) {  // all in one block: rows at a fixed stride
+    const T* first = cache + (static_cast<int64_t>(t.bt[blk]) * t.bs + off) * t.row_stride + t.head_off;
+    for (int64_t i = 0; i < count; ++i) rows[i] = first + i * t.row_stride;
+    return;
+  }
   const T* cur = nullptr;
   for (int64_t i = 0; i < count; ++i) {
     if (i < valid) {
@@ -162,7 +167,7 @@ inline void value_tile(const float* w, int64_t ls, const T* const* vrow, int64_t
 // instructions per K/V row of the AVX2 tiles, and the 32 zmm registers hold three query heads'
 // accumulators (a kv head's whole group for 3:1 GQA) where AVX2 has room for two.
 template <int NG, int NP, typename T>
-inline void score_tile16(const float* q /*[NG, D]*/, const T* const* krow, int64_t hoff, int64_t D, __m256 lane_ok,
+__attribute__((always_inline)) inline void score_tile16(const float* q /*[NG, D]*/, const T* const* krow, int64_t hoff, int64_t D, __m256 lane_ok,
                          float* s, int64_t ls) {
   __m256 dots[NG][8];
   for (int p0 = 0; p0 < 8; p0 += NP) {
@@ -188,7 +193,7 @@ inline void score_tile16(const float* q /*[NG, D]*/, const T* const* krow, int64
 // J 16-lane vectors of NG heads' accumulators from dim d0, in registers across the cnt positions:
 // every lane sums its positions in order, whichever J covers it.
 template <int NG, int J, typename T>
-inline void value_chunk16(const float* w, int64_t ls, const T* const* vrow, int64_t cnt, int64_t hoff, int64_t d0,
+__attribute__((always_inline)) inline void value_chunk16(const float* w, int64_t ls, const T* const* vrow, int64_t cnt, int64_t hoff, int64_t d0,
                           int64_t D, float* acc /*[NG, D]*/) {
   __m512 a[NG][J];
   for (int g = 0; g < NG; ++g)
