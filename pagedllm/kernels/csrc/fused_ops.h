@@ -50,7 +50,7 @@ void normalize_row(T* out, const T* x, const T* w, float inv, int64_t n) {
   int64_t i = 0;
 #ifdef PAGEDLLM_AVX512  // elementwise, so 16 lanes give the 8-lane loop's values
   const __m512 iv16 = _mm512_set1_ps(inv);
-  for (; i + 16 <= n; i += 16) store16(out + i, _mm512_mul_ps(round16(out, _mm512_mul_ps(load16(x + i), iv16)), load16(w + i)));
+  for (; i + 16 <= n; i += 16) store16_as8(out + i, _mm512_mul_ps(round16(out, _mm512_mul_ps(load16(x + i), iv16)), load16(w + i)));
 #endif
 #ifdef PAGEDLLM_AVX2
   const __m256 iv = _mm256_set1_ps(inv);
@@ -109,7 +109,7 @@ inline void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::T
       T* rr = rp + r * rs;
       int64_t i = 0;
 #ifdef PAGEDLLM_AVX512
-      for (; i + 16 <= H; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+      for (; i + 16 <= H; i += 16) store16_as8(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
 #endif
 #ifdef PAGEDLLM_AVX2
       for (; i + 8 <= H; i += 8) store8(rr + i, _mm256_add_ps(load8(rr + i), load8(xr + i)));
@@ -143,7 +143,7 @@ inline void silu_and_mul(torch::Tensor out, torch::Tensor x) {
       for (; i + 16 <= I; i += 16) {
         const __m512 gv = load16(g + i);
         const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        store16(o + i, _mm512_mul_ps(s, load16(u + i)));
+        store16_as8(o + i, _mm512_mul_ps(s, load16(u + i)));
       }
 #endif
 #ifdef PAGEDLLM_AVX2
