@@ -246,7 +246,17 @@ inline float exp_row(float* sr, int64_t ls /* multiple of 8 */) {
   for (int64_t i = 0; i < ls; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + i));
   const __m256 m = _mm256_set1_ps(hmax(mx));
   __m256 sum = _mm256_setzero_ps();
-  for (int64_t i = 0; i < ls; i += 8) {
+  int64_t i = 0;
+#ifdef PAGEDLLM_AVX512  // 16 exponentials at a time (exp16: exp8's values), summed in the 8-lane order
+  for (const __m512 m16 = _mm512_set1_ps(hmax(mx)); i + 16 <= ls; i += 16) {
+    const __m512 x = _mm512_loadu_ps(sr + i);
+    const __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ),
+                                         exp16(_mm512_sub_ps(x, m16)));
+    _mm512_storeu_ps(sr + i, e);
+    sum = _mm256_add_ps(_mm256_add_ps(sum, _mm512_castps512_ps256(e)), _mm512_extractf32x8_ps(e, 1));
+  }
+#endif
+  for (; i < ls; i += 8) {
     const __m256 x = _mm256_loadu_ps(sr + i);
     const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ));
     _mm256_storeu_ps(sr + i, e);
