@@ -50,7 +50,8 @@ void normalize_row(T* out, const T* x, const T* w, float inv, int64_t n) {
   int64_t i = 0;
 #ifdef PAGEDLLM_AVX512  // elementwise, so 16 lanes give the 8-lane loop's values
   const __m512 iv16 = _mm512_set1_ps(inv);
-  for (; i + 16 <= n; i += 16) store16_as8(out + i, _mm512_mul_ps(round16(out, _mm512_mul_ps(load16(x + i), iv16)), load16(w + i)));
+  for (; i + 16 <= n; i += 16)
+    store16_as8(out + i, _mm512_mul_ps(round16(out, _mm512_mul_ps(load16(x + i), iv16)), load16(w + i)));
 #endif
 #ifdef PAGEDLLM_AVX2
   const __m256 iv = _mm256_set1_ps(inv);
@@ -142,7 +143,8 @@ inline void silu_and_mul(torch::Tensor out, torch::Tensor x) {
 #ifdef PAGEDLLM_AVX512  // exp16 is exp8 on 16 lanes: the same values
       for (; i + 16 <= I; i += 16) {
         const __m512 gv = load16(g + i);
-        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         store16_as8(o + i, _mm512_mul_ps(s, load16(u + i)));
       }
 #endif
@@ -261,13 +263,16 @@ inline int16_t hmax_epi16(__m512i v) {
 
 inline int64_t argmax_bf16_row(const c10::BFloat16* x, int64_t V) {
   const __m512i sign_off = _mm512_set1_epi16(0x7FFF), ninf = _mm512_set1_epi16(static_cast<short>(0xFF80));
-  const auto key_of = [&](__m512i b) { return _mm512_xor_si512(b, _mm512_and_si512(_mm512_srai_epi16(b, 15), sign_off)); };
+  const auto key_of = [&](__m512i b) {
+    return _mm512_xor_si512(b, _mm512_and_si512(_mm512_srai_epi16(b, 15), sign_off));
+  };
   __m512i k0 = _mm512_set1_epi16(-32768), k1 = k0, a0 = _mm512_setzero_si512(), a1 = a0;
   int64_t i = 0;
   for (; i + 64 <= V; i += 64) {  // two independent chains
     const __m512i b0 = _mm512_loadu_si512(x + i), b1 = _mm512_loadu_si512(x + i + 32);
     k0 = _mm512_max_epi16(k0, key_of(b0)), k1 = _mm512_max_epi16(k1, key_of(b1));
-    a0 = _mm512_max_epi16(a0, _mm512_and_si512(b0, sign_off)), a1 = _mm512_max_epi16(a1, _mm512_and_si512(b1, sign_off));
+    a0 = _mm512_max_epi16(a0, _mm512_and_si512(b0, sign_off));
+    a1 = _mm512_max_epi16(a1, _mm512_and_si512(b1, sign_off));
   }
   for (; i < V; i += 32) {
     const __mmask32 m = V - i >= 32 ? ~__mmask32(0) : (__mmask32(1) << (V - i)) - 1;

@@ -167,8 +167,8 @@ inline void value_tile(const float* w, int64_t ls, const T* const* vrow, int64_t
 // instructions per K/V row of the AVX2 tiles, and the 32 zmm registers hold three query heads'
 // accumulators (a kv head's whole group for 3:1 GQA) where AVX2 has room for two.
 template <int NG, int NP, typename T>
-__attribute__((always_inline)) inline void score_tile16(const float* q /*[NG, D]*/, const T* const* krow, int64_t hoff, int64_t D, __m256 lane_ok,
-                         float* s, int64_t ls) {
+__attribute__((always_inline)) inline void score_tile16(const float* q /*[NG, D]*/, const T* const* krow, int64_t hoff,
+                                                        int64_t D, __m256 lane_ok, float* s, int64_t ls) {
   __m256 dots[NG][8];
   for (int p0 = 0; p0 < 8; p0 += NP) {
     __m512 part[NG][NP];
@@ -193,8 +193,8 @@ __attribute__((always_inline)) inline void score_tile16(const float* q /*[NG, D]
 // J 16-lane vectors of NG heads' accumulators from dim d0, in registers across the cnt positions:
 // every lane sums its positions in order, whichever J covers it.
 template <int NG, int J, typename T>
-__attribute__((always_inline)) inline void value_chunk16(const float* w, int64_t ls, const T* const* vrow, int64_t cnt, int64_t hoff, int64_t d0,
-                          int64_t D, float* acc /*[NG, D]*/) {
+__attribute__((always_inline)) inline void value_chunk16(const float* w, int64_t ls, const T* const* vrow, int64_t cnt,
+                                                         int64_t hoff, int64_t d0, int64_t D, float* acc /*[NG, D]*/) {
   __m512 a[NG][J];
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < J; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + d0 + 16 * j);

@@ -163,8 +163,8 @@ inline __m256i bf16x16_as_store8(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  const __m512i high = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1, 31, 29, 27, 25, 23, 21,
-                                        19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i high = _mm512_set_epi16(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1,  // (unused half)
+                                        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
   return _mm512_castsi512_si256(_mm512_permutexvar_epi16(high, rounded));
 }
 // float -> bfloat16, round to nearest even (vcvtneps2bf16 where there is one: it flushes subnormals).
@@ -194,7 +194,9 @@ inline __m512 exp16(__m512 x) { return exp_lanes<Lanes16>(x); }
 // 16 lanes rounded, stored (store16_as8) and widened back (round16) exactly as store8 does 8: the
 // values of an 8-lane loop, subnormals included.
 inline void store16_as8(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16_as8(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_as_store8(v)); }
+inline void store16_as8(c10::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_as_store8(v));
+}
 inline __m512 round16(float*, __m512 v) { return v; }
 inline __m512 round16(c10::BFloat16*, __m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_as_store8(v)), 16));
