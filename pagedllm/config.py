@@ -95,6 +95,15 @@ class SpeculativeConfig:
 DEFAULT_IMAGES_PER_PROMPT = 16
 
 
+def _names_gguf(model: str) -> bool:
+    """A .gguf file, or a folder without a config.json holding a .gguf file (models/gguf.py's
+    find_gguf_file says which, or that several are one too many)."""
+    if os.path.isfile(model):
+        return model.lower().endswith(".gguf")
+    return (os.path.isdir(model) and not os.path.isfile(os.path.join(model, "config.json"))
+            and any(f.lower().endswith(".gguf") for f in os.listdir(model)))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(default_factory=default_model_path)
@@ -352,9 +361,7 @@ class EngineConfig:
         kv_cache_dtype="float32" keeps a float32 cache."""
         if self.dtype != "auto" or self.device not in ("auto", "cpu"):
             return False
-        if not (self.model.lower().endswith(".gguf") and os.path.isfile(self.model)) and not (
-                os.path.isdir(self.model) and not os.path.isfile(os.path.join(self.model, "config.json"))
-                and any(f.lower().endswith(".gguf") for f in os.listdir(self.model))):
+        if not _names_gguf(self.model):
             return False
         if self.device == "auto":
             import torch
@@ -468,13 +475,12 @@ class EngineConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.cpu_threads_bind is not None:
             cpu_bind_for_rank(self.cpu_threads_bind, 0, self.tensor_parallel_size * self.pipeline_parallel_size)  # raises if malformed
-        if os.path.isfile(self.model) and self.model.lower().endswith(".gguf"):
-            pass  # a GGUF file: models/gguf.py reads it (and says what is wrong with it)
+        if _names_gguf(self.model):
+            pass  # a GGUF file (or a folder of one): models/gguf.py reads it (and says what is wrong with it)
         elif not os.path.isdir(self.model):
             raise ValueError("model must be a local directory with config.json and safetensors weights, or a .gguf "
                              f"file: {self.model!r}")
-        elif not os.path.isfile(os.path.join(self.model, "config.json")) and not any(
-                f.lower().endswith(".gguf") for f in os.listdir(self.model)):
+        elif not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model directory {self.model!r} has no config.json"
                              + (" (it is empty)" if not os.listdir(self.model) else ""))
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):

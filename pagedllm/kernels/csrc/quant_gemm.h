@@ -723,7 +723,7 @@ inline torch::Tensor pack_quantized_weight(torch::Tensor q) {
 }
 
 namespace qgemm {
-// The int16 activations of a small product and their chunk scales and sums (quant_linear's int16
+// The int16 activations of a small product and their row scales and chunk sums (quant_linear's int16
 // path): scratch of the calling thread, reused by its next call, instead of two tensors allocated
 // and freed per product (~0.3 us each, 8 per decoder layer of a decode step). They never leave the
 // call; products of more than kScratchElems activations take tensors, so the scratch stays small.
@@ -830,18 +830,17 @@ inline torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t
     if (M * K <= qgemm::kScratchElems) {
       qgemm::I16Scratch& scratch = qgemm::i16_scratch();
       scratch.q.resize(qgemm::kScratchElems);
-      scratch.s.resize(std::max<size_t>(scratch.s.size(), 3 * M * w.chunks()));
+      scratch.s.resize(std::max<size_t>(scratch.s.size(), M * (1 + w.chunks())));
       qp = scratch.q.data();
       sp = scratch.s.data();
     } else {
       q = torch::empty({M, K}, x.options().dtype(at::kShort));
-      s = torch::empty({3, M, w.chunks()}, x.options());  // scales, sums, integer sums
+      s = torch::empty({M * (1 + w.chunks())}, x.options());  // row scales, integer chunk sums
       qp = static_cast<int16_t*>(q.data_ptr());
       sp = s.data_ptr<float>();
     }
-    const int64_t MC = M * w.chunks();
-    qgemm::quantize_i16(xf.data_ptr<float>(), M, w, qp, sp, sp + MC, sp + 2 * MC);
-    const qgemm::Act16 a{reinterpret_cast<const int32_t*>(qp), sp, sp + MC, sp + 2 * MC};
+    qgemm::quantize_i16(xf.data_ptr<float>(), M, w, qp, sp, sp + M);
+    const qgemm::Act16 a{reinterpret_cast<const int32_t*>(qp), sp, sp + M};
     float* yp = y.data_ptr<float>();
     if (kind == qgemm::kInt4) {
       qgemm::run_i16<qgemm::kInt4>(w, a, M, yp, b);

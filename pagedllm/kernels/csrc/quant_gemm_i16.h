@@ -54,11 +54,11 @@ inline bool int16_path(int kind, int64_t gs) {
 }
 
 // x [M, K] float32 in the weight's column order as int16 pairs q [M, K / 2] (k = 2i in the low
-// half of int32 i), each row's scale s (replicated over its C chunks: s [M, C]), the chunk sums
-// s * sum(q) [M, C] and the integer chunk sums sum(q) [M, C] as floats (qsum). A row with a
-// non-finite value gets q = 0 and s = NaN, so its outputs are NaN as in float32 arithmetic.
+// half of int32 i), each row's scale s [M] and its integer chunk sums sum(q) [M, C] as floats
+// (qsum). A row with a non-finite value gets q = 0 and s = NaN, so its outputs are NaN as in float32
+// arithmetic.
 // 16 lanes at a time (masked tails); rows are spread over the threads for prompt-sized x.
-inline void quantize_i16(const float* x, int64_t M, const Weights& w, int16_t* q, float* s, float* sum, float* qsum) {
+inline void quantize_i16(const float* x, int64_t M, const Weights& w, int16_t* q, float* s, float* qsum) {
   const int64_t K = w.K, C = w.chunks();
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 16))
   for (int64_t m = 0; m < M; ++m) {
@@ -73,8 +73,7 @@ inline void quantize_i16(const float* x, int64_t M, const Weights& w, int16_t* q
     }
     if (odd != 0) {
       std::fill(o, o + K, int16_t{0});
-      std::fill(s + m * C, s + (m + 1) * C, NAN);
-      std::fill(sum + m * C, sum + (m + 1) * C, NAN);
+      s[m] = NAN;
       std::fill(qsum + m * C, qsum + (m + 1) * C, 0.0f);
       continue;
     }
@@ -91,18 +90,15 @@ inline void quantize_i16(const float* x, int64_t M, const Weights& w, int16_t* q
         total = _mm512_add_epi32(total, v);
         _mm256_mask_storeu_epi16(o + k, mk, _mm512_cvtsepi32_epi16(v));
       }
-      const float t = static_cast<float>(_mm512_reduce_add_epi32(total));
-      s[m * C + c] = sc;
-      sum[m * C + c] = sc * t;
-      qsum[m * C + c] = t;
+      qsum[m * C + c] = static_cast<float>(_mm512_reduce_add_epi32(total));
     }
+    s[m] = sc;
   }
 }
 
 struct Act16 {
   const int32_t* q;   // [M, K / 2] int16 pairs
-  const float* s;     // [M, C]: each row's scale, once per chunk
-  const float* sum;   // [M, C]: s * sum(q) per chunk
+  const float* s;     // [M]: each row's scale
   const float* qsum;  // [M, C]: sum(q) per chunk
 };
 
@@ -242,7 +238,7 @@ void blocked_task_i16(const Weights& w, int64_t p, int64_t np, const Act16& a, i
           });
         });
     }
-    store_task(c, mb, np, cols, n0, bias, y + m0 * w.N, w.N, a.s + m0 * w.chunks(), w.chunks());
+    store_task(c, mb, np, cols, n0, bias, y + m0 * w.N, w.N, a.s + m0, 1);
   }
 }
 
@@ -281,10 +277,10 @@ PAGEDLLM_VNNI_VBMI void panel1_i16(const Weights& w, int64_t p, const Act16& a, 
     for (; q < q1; ++q) dpwssd(t[0], i16_pair<KIND>(base, q), _mm512_set1_epi32(a.q[q]));
     const __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(t[0], t[1]), _mm512_add_epi32(t[2], t[3])),
                                        _mm512_add_epi32(_mm512_add_epi32(t[4], t[5]), _mm512_add_epi32(t[6], t[7])));
-    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.s[c]));
+    __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a.s[0]));
     if (zp != nullptr || w.zc != 0.0f) {
       const __m512 z = zp != nullptr ? _mm512_loadu_ps(zp + g * kPanel) : _mm512_set1_ps(w.zc);
-      f = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.sum[c]), f);
+      f = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.s[0] * a.qsum[c]), f);
     }
     acc = _mm512_fmadd_ps(f, _mm512_loadu_ps(sc + g * kPanel), acc);
   }
